@@ -80,6 +80,29 @@ def test_the_example_blocks_forward_and_backward():
         assert kinds == ["forward", "backward"], prog
 
 
+def test_the_transposed_keys_only_the_calls_read_are_not_computed_on_the_cpu():
+    """T = transpose(k, 2, 3) (the scores' right operand) is read by the forward's matmul and, in
+    the derived program, by the backward's dq matmul (transpose(T)); both calls read k itself.
+    Where only members of the calls read T, T joins the first chain that reads it: the derived
+    program's forward, the backward program's (which computes T again for it) backward."""
+    mod = with_grads(load_source((REPO / "examples" / "gpt_block.ccn").read_text(), "gpt_block.ccn"),
+                     ["gpt_block"])
+    grad = mod.plans[("gpt_block_grad", "overlapped")]
+    f, b = grad.attention
+    assert "s_transpose" in _names(grad, f) and "s_transpose" not in _names(grad, b)
+    assert "t4_g_q" in _names(grad, b)  # transpose(T): the backward's own
+    bwd = mod.plans[("gpt_block_bwd", "overlapped")]
+    (b,) = bwd.attention
+    assert "s_transpose" in _names(bwd, b) and b.members[-1] == max(b.members)
+    assert "replaces s_transpose, t1_g_a, g_a," in show(bwd)
+    # a transpose another unit reads as well stays a unit of its own
+    src = HEAD + CORE.replace("transpose(k, 2, 3)", "kt") + "    y = kt * c\n    return o, y\n}\n"
+    src = src.replace("    s = matmul", "    kt = transpose(k, 2, 3)\n    s = matmul")
+    plan = _plans(src)["p"]
+    (f,) = plan.attention
+    assert "s" in _names(plan, f) and "kt" not in _names(plan, f)
+
+
 def test_without_scale_dropout_or_the_same_lengths():
     src = HEAD + """    s = matmul(q, transpose(k, 2, 3))
     o = matmul(softmax(where(causal(s), s, -inf)), v)

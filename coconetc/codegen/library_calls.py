@@ -16,7 +16,8 @@ from __future__ import annotations
 from coconetc.codegen.base import Writer, cdim, prod
 from coconetc.codegen.emit import literal
 from coconetc.ir.typerules import reshape_slices
-from coconetc.plan.units import GatherMatmul, Library, Overlap
+from coconetc.plan.epilogue import parts
+from coconetc.plan.units import GatherMatmul, Library, Loop, Overlap
 
 OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last",
        "layernorm_dx", "layernorm_dgamma", "conv2d_dx", "conv2d_dw")
@@ -72,6 +73,15 @@ def call_args(w: Writer, u: Library) -> list[str]:
     assert u.op == "conv2d_dw", u.op  # x[N, C, H, W], g[N, O, HO, WO] -> dw[O, C, KH, KW] (w: the shape only)
     lx, lg = dims[0], dims[1]
     return [ptrs[0], ptrs[1], f"v_{u.dst}", *lx, out[0], out[2], out[3], lg[2], lg[3], *conv]
+
+
+def rowwise_args(w: Writer, u: Library, loop: Loop) -> list[str]:
+    """call_args of a row-wise call (layernorm_dx) whose plan fuses its residual epilogue
+    (plan/epilogue.py): the loop's value as the result, and the residual after the sizes."""
+    _, operand, value = parts(u.epilogue)
+    args = call_args(w, u)
+    at = args.index(f"v_{u.dst}")
+    return [*args[:at], f"v_{value}", *args[at + 1:], f"v_{operand}"]
 
 
 BLOCK = ("softmax", "transpose", "reshape")

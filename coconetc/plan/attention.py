@@ -38,7 +38,7 @@ masked elements."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coconetc.ir.expr import Const, Expr, Op, Ref, refs
 from coconetc.plan.units import Attention, Buffer, Library, Loop, Unit, _touches
@@ -396,4 +396,23 @@ def find(units: tuple[Unit, ...] | list[Unit], buffers: dict[str, Buffer]) -> tu
         if att is not None and not taken & set(att.members):
             found.append(att)
             taken |= set(att.members)
-    return tuple(found)
+    return _with_dead_transposes(d, found, taken)
+
+
+def _with_dead_transposes(d: _Defs, found: list[Attention], taken: set[int]) -> tuple[Attention, ...]:
+    """The chains with each transposed copy of the last two dims (T = transpose(K), a scratch
+    value) that only members of chains read, across chains: the forward's T read by the
+    forward's and the backward's call (a derived program), or T recomputed by a backward
+    program for its call alone. The calls read K itself, so T is computed for nobody where
+    they run: it joins the first chain that reads it (`replaces` in the plan)."""
+    out = list(found)
+    for j, u in enumerate(d.units):
+        if j in taken or not isinstance(u, Library) or not d.swapped(u.dst) or d.buffers[u.dst].kind != "scratch":
+            continue
+        readers = [i for i, v in enumerate(d.units) if i != j and _touches(v, {u.dst})]
+        chains = {i: k for k, a in enumerate(out) if "cpu" in a.fused for i in a.members}
+        if readers and all(i in chains for i in readers):
+            k = chains[readers[0]]
+            out[k] = replace(out[k], members=tuple(sorted((*out[k].members, j))))
+            taken.add(j)
+    return tuple(out)

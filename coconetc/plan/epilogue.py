@@ -5,7 +5,8 @@ have the GEMM write the finished value.
 
 The rule, in one place (epilogue_of):
 - the unit is a Library matmul, matmul_nt or matmul_tn writing a scratch buffer (not a
-  parameter, an output or an update's source);
+  parameter, an output or an update's source), or a matmul writing an output (a saving
+  forward's saved product, handed back as well);
 - the next unit is a Loop over exactly the matmul's result type (shape and layout) with one
   stored item, and no other unit of the plan reads or writes the matmul's result;
 - the item's expression is one of, with R the matmul's result read exactly once:
@@ -18,14 +19,23 @@ Where the epilogue is fused is decided here too (fused_on, Library.fused), and t
 only read it:
 - cpu: a matmul whose right operand is 2-d (one GEMM over the rows of every leading dim of
   the left), the loop of at least 2 dims, writing no scattered parameter's segments and reading
-  none: one blocked pass (codegen/cpu/loops.py render_epilogue);
+  none: one blocked pass (codegen/cpu/loops.py render_epilogue), which writes the matmul's
+  result whole too (so an output result is fused there: gpt_block_fwd's saved hm);
 - cuda: the same matmuls in f32, f16 or bf16, with the epilogue bias, residual or scale by a
   literal or a scalar parameter (its value on the host): one cublasLtMatmul (cuda/blas.cuh
   matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale; where
-  cuBLASLt refuses it at run time, the GEMM and then the loop, as unfused).
+  cuBLASLt refuses it at run time, the GEMM and then the loop, as unfused); not an output
+  result (cuBLASLt writes the loop's value only).
   gelu_bias is not fused on CUDA: cuBLASLt's GELU is the tanh approximation, the language's
   gelu is the exact x * Phi(x) (runtime_cpp/coconet/pointwise.h), so the loop runs after the GEMM;
 elsewhere (batched matmuls, matmul_nt/tn) the loop runs after the GEMM.
+
+A layernorm's input gradient (a derived program's layernorm_dx) takes the residual epilogue too,
+the cotangent of the residual added (`g_x1 = d_y + layernorm_dx(x1, ...)`, a pre-layernorm
+block's backward): the same rule with layernorm_dx in place of the matmul and residual(r) the
+only kind; fused on cpu and cuda (grad.h / cuda/grad.cuh layernorm_dx with `add`: each row's
+dx rounded to its type and r added as the loop adds it, so the result is the loop's bit for bit),
+unless the loop writes or reads a scattered parameter's segments.
 
 In a derived program, the bias gradient (bgrad, bgrad_of): a sum_lead(G) over every leading dim
 of G, and a later matmul_tn(X, G) (the weight gradient, its GEMM summing over the same rows),
@@ -43,6 +53,7 @@ from coconetc.ir.types import TType
 from coconetc.plan.units import Buffer, Library, Loop, Unit, _touches
 
 GEMMS = ("matmul", "matmul_nt", "matmul_tn")
+ROWWISE = ("layernorm_dx",)  # the row-wise calls that take the residual epilogue
 BACKENDS = ("cpu", "cuda")
 CUDA_DTYPES = ("f32", "f16", "bf16")  # the cuBLAS path's types with a 32-bit float compute
 
@@ -68,10 +79,10 @@ def fused_loop(units: tuple[Unit, ...] | list[Unit], u: Library) -> Loop | None:
 def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str, Buffer]) -> tuple[str, str]:
     """The epilogue units[i] carries ("" when none) and, when none, why not."""
     u = units[i]
-    if not (isinstance(u, Library) and u.op in GEMMS):
+    if not (isinstance(u, Library) and u.op in GEMMS + ROWWISE):
         return "", "not a matmul"
     r = u.dst
-    if buffers[r].kind != "scratch":
+    if buffers[r].kind != "scratch" and not (buffers[r].kind == "output" and u.op == "matmul"):
         return "", f"'{r}' is not a scratch value but a {buffers[r].kind}"
     if i + 1 >= len(units) or not isinstance(units[i + 1], Loop):
         return "", f"the unit after '{r}' is not a pointwise loop"
@@ -88,6 +99,8 @@ def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str,
     kind = _match(item.expr, r, t, buffers)
     for let in loop.lets:  # a scalar operand the loop reads as a let: name what it holds
         kind = kind.replace(f"({let.name})", f"({printed(let.expr)})")
+    if u.op in ROWWISE and not kind.startswith("residual("):
+        return "", f"the loop computes {item.name} from '{r}' as no residual"
     if not kind:
         return "", f"the loop computes {item.name} from '{r}' as none of bias, gelu_bias, residual, scale"
     return f"{kind} -> {item.name}", ""
@@ -98,7 +111,7 @@ def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
     collective, none)."""
     out = list(units)
     for i, u in enumerate(units):
-        if isinstance(u, Library) and u.op in GEMMS:
+        if isinstance(u, Library) and u.op in GEMMS + ROWWISE:
             epi, _ = epilogue_of(units, i, buffers)
             if epi:
                 loop = units[i + 1]
@@ -144,6 +157,11 @@ def _writes(u: Unit, name: str) -> bool:
 def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:
     """The backends (BACKENDS) that apply EPILOGUE, the epilogue of matmul U, in its GEMM (the
     rule in the module's docstring); LOOP: the loop after U."""
+    if u.op in ROWWISE:
+        item = loop.items[0]
+        segs = any(buffers[n].kind == "segments" for n in refs(item.expr) if n != item.name and n in buffers)
+        out = buffers[item.name].kind in ("scratch", "output")  # (not an alias of x or g's memory)
+        return () if loop.seg_dst or segs or not out else BACKENDS
     if u.op != "matmul" or buffers[u.args[1]].type.ndim != 2 or loop.seg_dst or loop.type.ndim < 2:
         return ()
     item = loop.items[0]
@@ -151,8 +169,9 @@ def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) 
         return ()
     kind, operand, _ = parts(epilogue)
     on = ["cpu"]
-    if loop.type.dtype in CUDA_DTYPES and (kind in ("bias", "residual") or kind == "scale" and (
-            _number(operand) or operand in buffers and buffers[operand].kind == "scalar")):
+    cuda_kind = kind in ("bias", "residual") or kind == "scale" and (
+        _number(operand) or operand in buffers and buffers[operand].kind == "scalar")
+    if buffers[u.dst].kind == "scratch" and loop.type.dtype in CUDA_DTYPES and cuda_kind:
         on.append("cuda")
     return tuple(on)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from coconetc.ir import printer
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import BACKENDS, parts
+from coconetc.plan.epilogue import BACKENDS, GEMMS, parts
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
 from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
@@ -87,12 +87,14 @@ def _vectors(width: int) -> str:
 def _fused_on(plan: Plan, u: Library) -> str:
     """Where a matmul's epilogue is fused (Library.fused, plan/epilogue.py); a bias gradient not
     fused in the GEMM may be summed by the loop computing its input (plan/colsums.py)."""
+    call = "GEMM" if u.op in GEMMS else "call"  # (a row-wise call's residual: layernorm_dx)
+
     def apart(b: str) -> str:
         if not u.epilogue.startswith("bgrad("):
-            return "the loop runs after the GEMM"
+            return f"the loop runs after the {call}"
         return "summed by the loop computing it" if parts(u.epilogue)[2] in fused_sums(plan.units, b) \
             else "the sum_lead runs on its own"
-    return "; ".join(f"{b}: {'fused in the GEMM' if b in u.fused else apart(b)}" for b in BACKENDS)
+    return "; ".join(f"{b}: {f'fused in the {call}' if b in u.fused else apart(b)}" for b in BACKENDS)
 
 
 def _colsum_on(plan: Plan, c: ColSum) -> str:

@@ -109,16 +109,26 @@ inline void layernorm_dx_row_by(X x, const G* gamma, D dy, C eps, int64_t h, Out
 }
 
 // dx[r, :] = layernorm's input gradient of row r (pointwise.h layernorm_dx_of: the row's statistics
-// as the forward's, then dx in one more pass) from x[rows, h], gamma[h] and g[rows, h].
+// as the forward's, then dx in one more pass) from x[rows, h], gamma[h] and g[rows, h]. add (the
+// plan's residual epilogue, plan/epilogue.py): dx = add + that gradient, the gradient rounded to T
+// first, so the sum is the separate loop's bit for bit (add may be dx itself, not x or g).
 template <class T>
-void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h) {
+void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h,
+                  const T* add = nullptr) {
   using C = compute_t<T>;
   for (int64_t r = 0; r < rows; ++r) {
     const T *xr = x + r * h, *gr = g + r * h;
     T* dr = dx + r * h;
-    layernorm_dx_row_by(
-        [&](int64_t j) { return C(to_compute(xr[j])); }, gamma, [&](int64_t j) { return C(to_compute(gr[j])); },
-        static_cast<C>(eps), h, [&](int64_t j, C v) { dr[j] = from_compute<T>(v); });
+    const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
+    const auto gj = [&](int64_t j) { return C(to_compute(gr[j])); };
+    if (add == nullptr) {
+      layernorm_dx_row_by(xj, gamma, gj, static_cast<C>(eps), h, [&](int64_t j, C v) { dr[j] = from_compute<T>(v); });
+      continue;
+    }
+    const T* ar = add + r * h;
+    layernorm_dx_row_by(xj, gamma, gj, static_cast<C>(eps), h, [&](int64_t j, C v) {
+      dr[j] = from_compute<T>(to_compute(ar[j]) + to_compute(from_compute<T>(v)));
+    });
   }
 }
 

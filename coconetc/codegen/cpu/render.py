@@ -25,7 +25,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import fused_loop
+from coconetc.plan.epilogue import ROWWISE, fused_loop
 from coconetc.ir.rng_keys import site_key
 from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
@@ -43,6 +43,7 @@ class CpuRenderer:
         self.fusion = CpuFused(self.w, self.idx, self.loops, self.unit)
         self.overlaps = CpuOverlap(self.w, self.fusion, self.unit)
         self.fused_loop: Loop | None = None
+        self.fused_by = ""  # the operation whose call renders fused_loop
         self.colsums = fused_sums(plan.units, "cpu")  # sum_leads the loops compute (plan/colsums.py)
         self.attention = {id(plan.units[i]): (a, i == a.members[-1])
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
@@ -57,6 +58,10 @@ class CpuRenderer:
         self.w.emit(f"coconet::reshape<{ct}>({', '.join([args[1], *args[1:]])});  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
+        if u is self.fused_loop and self.fused_by in ROWWISE:  # rendered by its row-wise call (epilogue)
+            self.fused_loop = None
+            self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the {self.fused_by} above")
+            return
         if u is self.fused_loop:  # rendered by its matmul (epilogue)
             self.fused_loop = None
             self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the matmul above")
@@ -196,12 +201,17 @@ class CpuRenderer:
         loop = fused_loop(self.w.plan.units, u)
         if loop is None:
             return False
+        if u.op in ROWWISE:  # residual(r): the call writes the loop's value, r added to each row
+            self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.rowwise_args(self.w, u, loop))});  "
+                        f"// {u.dst}, then {u.epilogue}")
+            self.fused_loop, self.fused_by = loop, u.op
+            return True
         args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
         k, n = args[4], args[5]
         gemm = (f"coconet::matmul<{ct}>({args[0]} + r0 * ({k}), {args[1]}, {args[2]} + r0 * ({n}), "
                 f"rn, {k}, {n});")
         self.loops.render_epilogue(loop, gemm, args[3], n)
-        self.fused_loop = loop
+        self.fused_loop, self.fused_by = loop, u.op
         return True
 
     def copy(self, u: Copy) -> None:

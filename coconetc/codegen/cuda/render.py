@@ -28,7 +28,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import fused_loop, parts
+from coconetc.plan.epilogue import ROWWISE, fused_loop, parts
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan, Reduce,
                                  Require, Unit)
 
@@ -47,6 +47,7 @@ class CudaRenderer:
         self.overlaps = CudaOverlap(self.w, self.fusion, self.notes, self.unit)
         self.seg_declared = False
         self.fused_loop: Loop | None = None
+        self.fused_by = ""  # the operation whose call renders fused_loop
         # the sum_leads a later matmul_tn computes as its bias-gradient epilogue (plan/epilogue.py)
         self.bgrad_sums = {parts(u.epilogue)[2] for u in plan.units if isinstance(u, Library)
                            and u.epilogue.startswith("bgrad(") and "cuda" in u.fused}
@@ -63,6 +64,10 @@ class CudaRenderer:
         self.w.emit(f"coconet::cuda::reshape<{ct}>({', '.join([args[1], *args[1:]])}, ctx);  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
+        if u is self.fused_loop and self.fused_by in ROWWISE:  # rendered by its row-wise call (epilogue)
+            self.fused_loop = None
+            self.w.emit(f"// kernel {', '.join(i.name for i in u.items)}: the epilogue of the {self.fused_by} above")
+            return
         if u is self.fused_loop:  # rendered by its matmul (epilogue)
             self.fused_loop = None
             self.w.emit(f"// kernel {', '.join(i.name for i in u.items)}: the epilogue of the cublasLtMatmul above "
@@ -194,6 +199,12 @@ class CudaRenderer:
         loop = fused_loop(self.w.plan.units, u)
         if loop is None:
             return False
+        if u.op in ROWWISE:  # residual(r): the call writes the loop's value, r added to each row
+            args = library_calls.rowwise_args(self.w, u, loop)
+            self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join([*args[:-1], 'ctx', args[-1]])});  "
+                        f"// {u.dst}, then {u.epilogue}")
+            self.fused_loop, self.fused_by = loop, u.op
+            return True
         kind, operand, _ = parts(u.epilogue)
         bias, c, alpha = "nullptr", "nullptr", "1.0f"
         if kind == "bias":
@@ -215,7 +226,7 @@ class CudaRenderer:
         self.w.consts = consts
         self.w.lines[at:] = [f"  {line}" for line in self.w.lines[at:]]
         self.w.emit("}")
-        self.fused_loop = loop
+        self.fused_loop, self.fused_by = loop, u.op
         return True
 
 

@@ -137,20 +137,26 @@ __device__ inline void layernorm_dx_row_block(X x, const G* gamma, D dy, C eps, 
 }
 
 // dx[r, :] = layernorm's input gradient of row r from x[rows, h], gamma[h] and g[rows, h]: a block a
-// row (launch_rows, layernorm_dx_row_block).
+// row (launch_rows, layernorm_dx_row_block). add (the plan's residual epilogue, plan/epilogue.py):
+// dx = add + that gradient, the gradient rounded to T first, as the separate kernel adds it (grad.h).
 template <class T>
-void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h, const Ctx& c) {
+void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h, const Ctx& c,
+                  const T* add = nullptr) {
   using C = compute_t<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_R(gamma, 0, h), COCONET_R(g, 0, rows * h),
-                 COCONET_W(dx, 0, rows * h));
+                 add ? COCONET_R(add, 0, rows * h) : COCONET_R(x, 0, 0), COCONET_W(dx, 0, rows * h));
   launch_rows<C>(rows, rows * h, c.stream, [=] __device__(auto r, C* part) {
     using I = decltype(r);
     const T* const xr = x + r * I(h);
     const T* const gr = g + r * I(h);
+    const T* const ar = add ? add + r * I(h) : nullptr;
     T* const dxr = dx + r * I(h);
     layernorm_dx_row_block([&](int64_t j) { return C(to_compute(xr[j])); }, gamma,
                            [&](int64_t j) { return C(to_compute(gr[j])); }, static_cast<C>(eps), h, part,
-                           [&](int64_t j, C v) { dxr[j] = from_compute<T>(v); });
+                           [&](int64_t j, C v) {
+                             dxr[j] = ar ? from_compute<T>(to_compute(ar[j]) + to_compute(from_compute<T>(v)))
+                                         : from_compute<T>(v);
+                           });
   });
 }
 

@@ -67,7 +67,7 @@ void gpt_block__fused(const coconet::CallArgs& a) {
   float* const v_ap = coconet::shared_scratch<float, 18>(comm, S_B * S_S * S_H);
   float* const v_ag_x1 = coconet::scratch<float, 19>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 20>(S_B * S_S * S_H);
-  float* const v_t19_h = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_mp = coconet::shared_scratch<float, 23>(comm, S_B * S_S * S_H);
   float* const v_ag_y = a.output<float>(0);
@@ -189,7 +189,7 @@ void gpt_block__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f1 = [&](int64_t gb, int64_t ge, const float* red) {
   const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -219,7 +219,7 @@ void gpt_block__fused(const coconet::CallArgs& a) {
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::fused_chunk_elems(), compute_f1, {coconet::gather_target(v_ag_x1, S_B * S_S * S_H)});
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [fused] matmul t19_h (gpt_block.ccn)
+  // [fused] matmul hm (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -230,7 +230,7 @@ void gpt_block__fused(const coconet::CallArgs& a) {
     const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
     for (int64_t r0 = 0; r0 < rows; r0 += rb) {
       const int64_t rn = std::min<int64_t>(rb, rows - r0);
-      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_t19_h + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_hm + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
       const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
@@ -242,15 +242,15 @@ void gpt_block__fused(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
       }
     }
     }
   }
   // loop h: the epilogue of the matmul above
-  // [fused] matmul mp (gpt_block.ccn:52)
+  // [fused] matmul mp (gpt_block.ccn:53)
   coconet::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f2 = [&](int64_t gb, int64_t ge, const float* red) {
   const float k5_y = coconet::to_compute(v_pdrop[0]);

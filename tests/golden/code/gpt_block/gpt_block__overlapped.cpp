@@ -67,7 +67,7 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
   float* const v_ap = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_ag_x1 = coconet::scratch<float, 19>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 20>(S_B * S_S * S_H);
-  float* const v_t19_h = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_mp = coconet::scratch<float, 23>(S_B * S_S * S_H);
   float* const v_ag_y = a.output<float>(0);
@@ -187,7 +187,7 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)");
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_t18_ap, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_ap = coconet::gemm_b_ld<float>(S_H, S_H);
@@ -227,7 +227,7 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
   });
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [overlapped] matmul t19_h (gpt_block.ccn)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -238,7 +238,7 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
     const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
     for (int64_t r0 = 0; r0 < rows; r0 += rb) {
       const int64_t rn = std::min<int64_t>(rb, rows - r0);
-      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_t19_h + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_hm + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
       const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
@@ -250,13 +250,13 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
       }
     }
     }
   }
   // loop h: the epilogue of the matmul above
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_mp = coconet::gemm_prepare_b<float>(v_w_proj, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_mp = coconet::gemm_b_ld<float>(S_H, S_H);

@@ -46,69 +46,69 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   float* const v_o = a.tensor<float>(22);
   float* const v_x1 = a.tensor<float>(23);
   float* const v_n2 = a.tensor<float>(24);
-  float* const v_h = a.tensor<float>(25);
-  float* const v_d_y = a.tensor<float>(26);
+  float* const v_hm = a.tensor<float>(25);
+  float* const v_h = a.tensor<float>(26);
+  float* const v_d_y = a.tensor<float>(27);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_h_add = coconet::scratch<float, 3>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_g_y_add = coconet::scratch<float, 4>(S_B * S_S * S_H);
+  float* const v_h_add = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_y_add = coconet::scratch<float, 3>(S_B * S_S * S_H);
   float* const v_d_b_proj = a.output<float>(15);
-  float* const v_g_h = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::scratch<float, 4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 6>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2 = coconet::scratch<float, 7>(S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::scratch<float, 6>(S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_t0_g_x1 = coconet::scratch<float, 8>(S_B * S_S * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 9>(S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::scratch<float, 7>(S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 8>(S_B * S_S * S_H);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
-  float* const v_g_x1_add = coconet::scratch<float, 10>(S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 9>(S_B * S_S * S_H);
   float* const v_d_bo = a.output<float>(9);
-  float* const v_g_o = coconet::scratch<float, 11>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::scratch<float, 10>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_p = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 26>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 25>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::scratch<float, 27>(S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::scratch<float, 26>(S_B * S_S * S_H);
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 28>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 27>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 29>(S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::scratch<float, 28>(S_B * S_S * S_H);
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::scratch<float, 30>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::scratch<float, 29>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::scratch<float, 31>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::shared_scratch<float, 32>(comm, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::scratch<float, 30>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::shared_scratch<float, 31>(comm, S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::scratch<float, 33>(S_B * S_S * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 34>(S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::scratch<float, 32>(S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 33>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -133,39 +133,45 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");
   // [overlapped] reshape v_reshape (gpt_block.ccn:41)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
-  // [overlapped] transpose s_transpose (gpt_block.ccn:43)
-  coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
+  // s_transpose: part of the backward attention call (plan: attention)
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
+  // [overlapped] loop: h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    const int64_t rows = S_B * S_S, cols = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
-    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
-      const int64_t rn = std::min<int64_t>(rb, rows - r0);
-      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_h_matmul + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
-    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
+  #ifdef _OPENMP
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
+  #pragma omp parallel for num_threads(coconet::omp_threads())
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t rest = i;
+      const int64_t c2 = rest % L2; rest /= L2;
+      const int64_t c1 = rest % L1; rest /= L1;
+      const int64_t c0 = rest;
+      v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+    }
+    } else
+  #endif
+    {
+    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       }
     }
     }
   }
-  // loop h_add: the epilogue of the matmul above
   // [overlapped] loop: g_y_add (gpt_block.ccn)
   const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
@@ -242,7 +248,7 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
     const coconet::Range r = coconet::slice_range(S_S, 2, i);
@@ -258,27 +264,8 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H);
-  // [overlapped] loop: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // loop g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -405,27 +392,8 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   // [overlapped] allreduce g_n1 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H);
-  // [overlapped] loop: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // loop d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)

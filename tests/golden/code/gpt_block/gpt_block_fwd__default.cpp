@@ -68,10 +68,10 @@ void gpt_block_fwd__default(const coconet::CallArgs& a) {
   float* const v_at = coconet::scratch<float, 12>(S_B * S_S * S_H);
   float* const v_x1 = a.output<float>(8);
   float* const v_n2 = a.output<float>(9);
-  float* const v_t19_h = coconet::scratch<float, 13>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_h = a.output<float>(10);
-  float* const v_mp = coconet::shared_scratch<float, 14>(comm, S_B * S_S * S_H);
-  float* const v_mt = coconet::scratch<float, 15>(S_B * S_S * S_H);
+  float* const v_hm = a.output<float>(10);
+  float* const v_h = a.output<float>(11);
+  float* const v_mp = coconet::shared_scratch<float, 13>(comm, S_B * S_S * S_H);
+  float* const v_mt = coconet::scratch<float, 14>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");  // t0_q's check
@@ -244,7 +244,7 @@ void gpt_block_fwd__default(const coconet::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [default] matmul t19_h (gpt_block.ccn)
+  // [default] matmul hm (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -255,7 +255,7 @@ void gpt_block_fwd__default(const coconet::CallArgs& a) {
     const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
     for (int64_t r0 = 0; r0 < rows; r0 += rb) {
       const int64_t rn = std::min<int64_t>(rb, rows - r0);
-      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_t19_h + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_hm + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
       const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
@@ -267,17 +267,17 @@ void gpt_block_fwd__default(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
       }
     }
     }
   }
   // loop h: the epilogue of the matmul above
-  // [default] matmul mp (gpt_block.ccn:52)
+  // [default] matmul mp (gpt_block.ccn:53)
   coconet::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  // [default] allreduce mt (gpt_block.ccn:53)
+  // [default] allreduce mt (gpt_block.ccn:54)
   coconet::allreduce(coconet::Op::sum, v_mp, v_mt, S_B * S_S * S_H, comm);
-  // [default] loop: y (gpt_block.ccn:54)
+  // [default] loop: y (gpt_block.ccn:55)
   const float k5_y = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_y = coconet::to_compute(v_seed[0]);
   {

@@ -68,7 +68,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_at = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_x1 = coconet::scratch<float, 19>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 20>(S_B * S_S * S_H);
-  float* const v_h_matmul = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h_add = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_g_y_add = coconet::scratch<float, 24>(S_B * S_S * S_H);
@@ -252,8 +252,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
   // [default] transpose v (gpt_block.ccn:41)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [default] transpose s_transpose (gpt_block.ccn:43)
-  coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
+  // s_transpose: part of the forward attention call (plan: attention)
   // s_matmul: part of the forward attention call (plan: attention)
   // s, p_where: part of the forward attention call (plan: attention)
   // p: part of the forward attention call (plan: attention)
@@ -316,9 +315,9 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [default] matmul h_matmul (gpt_block.ccn:51)
-  coconet::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [default] loop: h_add, h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // [default] loop: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -334,7 +333,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
       const int64_t c2 = rest % L2; rest /= L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
@@ -352,7 +351,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
@@ -443,27 +442,8 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   // [default] allreduce g_n2 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, comm);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H);
-  // [default] loop: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // loop g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
@@ -590,27 +570,8 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   // [default] allreduce g_n1 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H);
-  // [default] loop: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // loop d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)

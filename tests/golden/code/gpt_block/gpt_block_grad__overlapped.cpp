@@ -68,7 +68,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   float* const v_at = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_x1 = coconet::scratch<float, 19>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 20>(S_B * S_S * S_H);
-  float* const v_h_matmul = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h_add = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_g_y_add = coconet::scratch<float, 24>(S_B * S_S * S_H);
@@ -251,8 +251,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
   // [overlapped] transpose v (gpt_block.ccn:41)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped] transpose s_transpose (gpt_block.ccn:43)
-  coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
+  // s_transpose: part of the forward attention call (plan: attention)
   // s_matmul: part of the forward attention call (plan: attention)
   // s, p_where: part of the forward attention call (plan: attention)
   // p: part of the forward attention call (plan: attention)
@@ -315,9 +314,9 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
-  coconet::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [overlapped] loop: h_add, h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // [overlapped] loop: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -333,7 +332,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
       const int64_t c2 = rest % L2; rest /= L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
@@ -351,7 +350,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
@@ -435,7 +434,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
     const coconet::Range r = coconet::slice_range(S_S, 2, i);
@@ -451,27 +450,8 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H);
-  // [overlapped] loop: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // loop g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -598,27 +578,8 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   // [overlapped] allreduce g_n1 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H);
-  // [overlapped] loop: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // loop d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)

@@ -107,8 +107,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t19_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
+  float* const v_hm = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
@@ -416,19 +416,19 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -442,7 +442,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -455,16 +455,16 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:52)
+  // [default] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce mt (NCCL) (gpt_block.ccn:53)
+  // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:54)
+  // [default] kernel: y (gpt_block.ccn:55)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -607,8 +607,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t19_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
@@ -866,7 +866,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -910,19 +910,19 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   }
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [fused] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:51)
+  // [fused] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -936,7 +936,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -949,14 +949,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:52)
+  // [fused] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1097,8 +1097,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t19_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
@@ -1354,7 +1354,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -1366,7 +1366,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:75)
+  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:76)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1414,19 +1414,19 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -1440,7 +1440,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -1453,12 +1453,12 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -1470,7 +1470,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:79)
+  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:80)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1631,16 +1631,16 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [default] layernorm n1s (gpt_block.ccn:119)
+  // [default] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1684,23 +1684,23 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1744,14 +1744,14 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:126)
+  // [default] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1822,9 +1822,9 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:127)
+  // [default] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:128)
+  // [default] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1878,15 +1878,15 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:132)
+  // [default] kernel: x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1933,13 +1933,13 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:133)
+  // [default] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:135)
+  // [default] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:136)
+  // [default] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1981,11 +1981,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:137)
+  // [default] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:138)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:139)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:139)
+  // [default] kernel: y (gpt_block.ccn:140)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2141,16 +2141,16 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [fused] layernorm n1s (gpt_block.ccn:119)
+  // [fused] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2194,23 +2194,23 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2254,14 +2254,14 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [fused] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [fused] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:126)
+  // [fused] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2332,9 +2332,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] softmax p (gpt_block.ccn:127)
+  // [fused] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:128)
+  // [fused] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2388,13 +2388,13 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [fused] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:148)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2473,9 +2473,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 216, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:135)
+  // [fused] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:136)
+  // [fused] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2517,9 +2517,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:137)
+  // [fused] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:149)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2697,16 +2697,16 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2750,23 +2750,23 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2810,14 +2810,14 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:126)
+  // [overlapped] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2888,9 +2888,9 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:127)
+  // [overlapped] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:128)
+  // [overlapped] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2944,11 +2944,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:156)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -2960,7 +2960,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:156)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3043,9 +3043,9 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 26);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:135)
+  // [overlapped] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:136)
+  // [overlapped] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3087,7 +3087,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:158)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3099,7 +3099,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:157)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:158)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3281,11 +3281,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:168)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -3299,7 +3299,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3343,23 +3343,23 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3403,14 +3403,14 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:126)
+  // [overlapped_both] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3481,9 +3481,9 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  // [overlapped_both] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:128)
+  // [overlapped_both] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3537,11 +3537,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:170)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3561,7 +3561,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:170)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3645,7 +3645,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 28);
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:136)
+  // [overlapped_both] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3687,7 +3687,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:173)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:174)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3699,7 +3699,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:172)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:173)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3873,8 +3873,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_h_matmul = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -4287,19 +4287,19 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul h_matmul (gpt_block.ccn:51)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -4313,7 +4313,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
           out_h_add[u] = coconet::from_compute<float>(x_h_add);
           const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
           out_h[u] = coconet::from_compute<float>(x_h);
@@ -4329,7 +4329,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
         v_h_add[i] = coconet::from_compute<float>(x_h_add);
         const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
         v_h[i] = coconet::from_compute<float>(x_h);
@@ -4402,32 +4402,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
@@ -4685,32 +4661,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
@@ -4816,8 +4768,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_h_matmul = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -5229,19 +5181,19 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -5255,7 +5207,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
           out_h_add[u] = coconet::from_compute<float>(x_h_add);
           const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
           out_h[u] = coconet::from_compute<float>(x_h);
@@ -5271,7 +5223,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
         v_h_add[i] = coconet::from_compute<float>(x_h_add);
         const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
         v_h[i] = coconet::from_compute<float>(x_h);
@@ -5323,7 +5275,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -5347,32 +5299,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -5630,32 +5558,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
@@ -5894,16 +5798,16 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -5914,17 +5818,17 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [default] layernorm n1s (gpt_block.ccn:119)
+  // [default] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [default] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [default] matmul qm (gpt_block.ccn:121)
+  // [default] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] kernel: q_add (gpt_block.ccn:122)
+  // [default] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5966,25 +5870,25 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose q (gpt_block.ccn:122)
+  // [default] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] matmul k_matmul (gpt_block.ccn:123)
+  // [default] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose k (gpt_block.ccn:123)
+  // [default] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] matmul v_matmul (gpt_block.ccn:124)
+  // [default] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] kernel: v_add (gpt_block.ccn:124)
+  // [default] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6026,15 +5930,15 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose v (gpt_block.ccn:124)
+  // [default] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:126)
+  // [default] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] matmul s_matmul (gpt_block.ccn:126)
+  // [default] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s, p_where (gpt_block.ccn:126)
+  // [default] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6083,9 +5987,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:127)
+  // [default] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:128)
+  // [default] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6135,19 +6039,19 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul o_matmul (gpt_block.ccn:129)
+  // [default] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose o_transpose (gpt_block.ccn:129)
+  // [default] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] matmul ap (gpt_block.ccn:130)
+  // [default] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:132)
+  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6198,13 +6102,13 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:133)
+  // [default] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:135)
+  // [default] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:136)
+  // [default] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6315,32 +6219,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
@@ -6596,32 +6476,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -6866,16 +6722,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -6886,11 +6742,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:187)
+  // [overlapped] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -6903,9 +6759,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] kernel: q_add (gpt_block.ccn:122)
+  // [overlapped] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6947,25 +6803,25 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:122)
+  // [overlapped] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] matmul k_matmul (gpt_block.ccn:123)
+  // [overlapped] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:123)
+  // [overlapped] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] matmul v_matmul (gpt_block.ccn:124)
+  // [overlapped] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] kernel: v_add (gpt_block.ccn:124)
+  // [overlapped] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7007,15 +6863,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:124)
+  // [overlapped] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose s_transpose (gpt_block.ccn:126)
+  // [overlapped] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped] matmul s_matmul (gpt_block.ccn:126)
+  // [overlapped] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s, p_where (gpt_block.ccn:126)
+  // [overlapped] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7064,9 +6920,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:127)
+  // [overlapped] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:128)
+  // [overlapped] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7116,15 +6972,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] matmul o_matmul (gpt_block.ccn:129)
+  // [overlapped] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose o_transpose (gpt_block.ccn:129)
+  // [overlapped] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:189)
+  // [overlapped] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:190)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7136,7 +6992,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:188)
+  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:189)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7223,9 +7079,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 66);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:135)
+  // [overlapped] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:136)
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7295,7 +7151,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:190)
+  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:191)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -7324,7 +7180,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:192)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:193)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7336,7 +7192,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:191)
+  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:192)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7659,32 +7515,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [overlapped] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -7929,16 +7761,16 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -7949,11 +7781,11 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:203)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -7966,9 +7798,9 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped_both] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] kernel: q_add (gpt_block.ccn:122)
+  // [overlapped_both] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8010,25 +7842,25 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:122)
+  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped_both] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] matmul k_matmul (gpt_block.ccn:123)
+  // [overlapped_both] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:123)
+  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped_both] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] matmul v_matmul (gpt_block.ccn:124)
+  // [overlapped_both] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] kernel: v_add (gpt_block.ccn:124)
+  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8070,15 +7902,15 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:124)
+  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped_both] transpose s_transpose (gpt_block.ccn:126)
+  // [overlapped_both] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped_both] matmul s_matmul (gpt_block.ccn:126)
+  // [overlapped_both] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s, p_where (gpt_block.ccn:126)
+  // [overlapped_both] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8127,9 +7959,9 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  // [overlapped_both] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:128)
+  // [overlapped_both] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8179,15 +8011,15 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] matmul o_matmul (gpt_block.ccn:129)
+  // [overlapped_both] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped_both] transpose o_transpose (gpt_block.ccn:129)
+  // [overlapped_both] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:204)
+  // [overlapped_both] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:205)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -8207,7 +8039,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:203)
+  // [overlapped_both] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:204)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -8295,7 +8127,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 66);
   }
-  // [overlapped_both] kernel: h_add, h (gpt_block.ccn:136)
+  // [overlapped_both] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8365,7 +8197,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped_both] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:206)
+  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -8394,7 +8226,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped_both] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:208)
+  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:209)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -8414,7 +8246,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:207)
+  // [overlapped_both] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:208)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -8736,32 +8568,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   // [overlapped_both] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [overlapped_both] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped_both] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped_both] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped_both] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -9010,16 +8818,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -9030,17 +8838,17 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [backward] layernorm n1s (gpt_block.ccn:119)
+  // [backward] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [backward] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [backward] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [backward] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [backward] matmul qm (gpt_block.ccn:121)
+  // [backward] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] kernel: q_add (gpt_block.ccn:122)
+  // [backward] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9082,25 +8890,25 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] transpose q (gpt_block.ccn:122)
+  // [backward] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] matmul k_matmul (gpt_block.ccn:123)
+  // [backward] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] transpose k (gpt_block.ccn:123)
+  // [backward] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] matmul v_matmul (gpt_block.ccn:124)
+  // [backward] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] kernel: v_add (gpt_block.ccn:124)
+  // [backward] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9142,15 +8950,15 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] transpose v (gpt_block.ccn:124)
+  // [backward] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:126)
+  // [backward] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] matmul s_matmul (gpt_block.ccn:126)
+  // [backward] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] kernel: s, p_where (gpt_block.ccn:126)
+  // [backward] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9199,9 +9007,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] softmax p (gpt_block.ccn:127)
+  // [backward] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [backward] kernel: a (gpt_block.ccn:128)
+  // [backward] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9251,19 +9059,19 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] matmul o_matmul (gpt_block.ccn:129)
+  // [backward] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose o_transpose (gpt_block.ccn:129)
+  // [backward] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [backward] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [backward] matmul ap (gpt_block.ccn:130)
+  // [backward] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [backward] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [backward] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [backward] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [backward] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:132)
+  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9314,13 +9122,13 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] layernorm n2s (gpt_block.ccn:133)
+  // [backward] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [backward] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [backward] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [backward] matmul hm (gpt_block.ccn:135)
+  // [backward] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] kernel: h_add, h (gpt_block.ccn:136)
+  // [backward] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9390,7 +9198,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:219)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:220)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -9419,7 +9227,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:221)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:222)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -9431,7 +9239,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:220)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:221)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -9754,32 +9562,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -9897,13 +9681,13 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
-  float* const v_h = a.output<float>(10);
+  float* const v_hm = a.output<float>(10);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -10217,19 +10001,19 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -10243,7 +10027,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -10256,16 +10040,16 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:52)
+  // [default] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce mt (NCCL) (gpt_block.ccn:53)
+  // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:54)
+  // [default] kernel: y (gpt_block.ccn:55)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -10408,11 +10192,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
-  float* const v_h = a.output<float>(10);
+  float* const v_hm = a.output<float>(10);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
@@ -10678,7 +10462,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -10687,8 +10471,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(14, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(15, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(13, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(14, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
@@ -10718,23 +10502,23 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 120, reduce_to, compute, gather, source);
   }
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [fused] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:51)
+  // [fused] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -10748,7 +10532,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -10761,14 +10545,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:52)
+  // [fused] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -10777,8 +10561,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(17, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(18, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(16, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(17, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
@@ -10808,7 +10592,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 144, reduce_to, compute, gather, source);
   }
 }
 
@@ -10909,11 +10693,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
-  float* const v_h = a.output<float>(10);
+  float* const v_hm = a.output<float>(10);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
@@ -11177,7 +10961,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -11185,11 +10969,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 13);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:75)
+  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:76)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -11198,8 +10982,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(16, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(17, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(15, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(16, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -11229,27 +11013,27 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 144, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 15);
+    coconet::cuda::join(sctx.stream, ctx.stream, 14);
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -11263,7 +11047,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -11276,12 +11060,12 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -11289,11 +11073,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 18);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:79)
+  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:80)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -11302,8 +11086,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(21, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(22, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(20, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(21, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -11333,11 +11117,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 184, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 176, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 20);
+    coconet::cuda::join(sctx.stream, ctx.stream, 19);
   }
 }
 
@@ -11406,9 +11190,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.tensor<float>(24);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_h = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(25);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.tensor<float>(26);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(26);
+  float* const v_d_y = a.tensor<float>(27);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
@@ -11416,109 +11202,107 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -11551,52 +11335,48 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [default] matmul h_matmul (gpt_block.ccn:51)
-  if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
-    coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-    {
-      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = S_S;
-      const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-      COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
-        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
-          coconet::cuda::Vec<float, 4> out_h_add;
-          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t i = i0;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const auto i = i0 + u;
-            (void)i;
-            const int64_t c2 = cv2;
-            const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-            out_h_add[u] = coconet::from_compute<float>(x_h_add);
-            if (++cv2 == L2) cv2 = 0;
-          }
-          coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+  // [default] kernel: h_add (gpt_block.ccn:52)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
         }
-        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-          auto rest = i;
-          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-          const int64_t c0 = rest;
-          (void)c0;
-          (void)c1;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          if (++cv2 == L2) cv2 = 0;
         }
-      });
-    }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+      }
+    });
   }
-  // kernel h_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11663,32 +11443,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
@@ -11946,32 +11702,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
@@ -12043,9 +11775,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.tensor<float>(24);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_h = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(25);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.tensor<float>(26);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(26);
+  float* const v_d_y = a.tensor<float>(27);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
@@ -12053,108 +11787,106 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   // g_n2_part: only as packed chunks of its overlap
-  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -12187,52 +11919,48 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
-  if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
-    coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-    {
-      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = S_S;
-      const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-      COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
-        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
-          coconet::cuda::Vec<float, 4> out_h_add;
-          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t i = i0;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const auto i = i0 + u;
-            (void)i;
-            const int64_t c2 = cv2;
-            const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-            out_h_add[u] = coconet::from_compute<float>(x_h_add);
-            if (++cv2 == L2) cv2 = 0;
-          }
-          coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+  // [overlapped] kernel: h_add (gpt_block.ccn:52)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
         }
-        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-          auto rest = i;
-          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-          const int64_t c0 = rest;
-          (void)c0;
-          (void)c1;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          if (++cv2 == L2) cv2 = 0;
         }
-      });
-    }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+      }
+    });
   }
-  // kernel h_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -12278,12 +12006,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -12293,41 +12021,17 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 34);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 35);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -12585,32 +12289,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
@@ -12731,26 +12411,26 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [default] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [default] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12794,23 +12474,23 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12854,14 +12534,14 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:126)
+  // [default] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12932,9 +12612,9 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:127)
+  // [default] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:128)
+  // [default] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12988,15 +12668,15 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:132)
+  // [default] kernel: x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13043,13 +12723,13 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:133)
+  // [default] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:135)
+  // [default] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:136)
+  // [default] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13091,11 +12771,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:137)
+  // [default] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:138)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:139)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:139)
+  // [default] kernel: y (gpt_block.ccn:140)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13252,26 +12932,26 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [fused] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [fused] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13315,23 +12995,23 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13375,14 +13055,14 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [fused] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [fused] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:126)
+  // [fused] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13453,9 +13133,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] softmax p (gpt_block.ccn:127)
+  // [fused] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:128)
+  // [fused] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13509,13 +13189,13 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [fused] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:148)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13594,9 +13274,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:135)
+  // [fused] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:136)
+  // [fused] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13638,9 +13318,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:137)
+  // [fused] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:149)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13819,26 +13499,26 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [overlapped] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13882,23 +13562,23 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13942,14 +13622,14 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:126)
+  // [overlapped] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14020,9 +13700,9 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:127)
+  // [overlapped] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:128)
+  // [overlapped] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14076,11 +13756,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:156)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14092,7 +13772,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:156)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14175,9 +13855,9 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:135)
+  // [overlapped] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:136)
+  // [overlapped] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14219,7 +13899,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:158)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14231,7 +13911,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:157)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:158)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14414,21 +14094,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:168)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -14442,7 +14122,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14486,23 +14166,23 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14546,14 +14226,14 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:126)
+  // [overlapped_both] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14624,9 +14304,9 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  // [overlapped_both] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:128)
+  // [overlapped_both] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14680,11 +14360,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:170)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14704,7 +14384,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:170)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14788,7 +14468,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 17);
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:136)
+  // [overlapped_both] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14830,7 +14510,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:173)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:174)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14842,7 +14522,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:172)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:173)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -15119,10 +14799,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -15133,17 +14813,17 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [default] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:126)
+  // [default] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] kernel: h_add (gpt_block.ccn:136)
+  // [default] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] kernel: h_add (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15249,32 +14929,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
@@ -15530,32 +15186,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -15774,10 +15406,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -15788,17 +15420,17 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [backward] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:126)
+  // [backward] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [backward] kernel: h_add (gpt_block.ccn:136)
+  // [backward] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [backward] kernel: h_add (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15863,7 +15495,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:219)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:220)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -15892,7 +15524,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:221)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:222)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -15904,7 +15536,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:220)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:221)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -16227,32 +15859,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)

@@ -27,35 +27,25 @@ void tp_mlp_fwd__default(const coconet::CallArgs& a) {
   float* const v_s = coconet::scratch<float, 2>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
   // [default] matmul a (tp_mlp.ccn:16)
-  coconet::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [default] loop: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_x + r0 * (S_H), v_w1, v_a + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
@@ -64,6 +54,7 @@ void tp_mlp_fwd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  // loop h: the epilogue of the matmul above
   // [default] matmul p (tp_mlp.ccn:18)
   coconet::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [default] allreduce s (tp_mlp.ccn:19)
