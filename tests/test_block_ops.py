@@ -478,6 +478,13 @@ def test_cpu_backend_matches_interpreter(tmp_path):
     _launch(2, ["cpu", str(f), *_sizes(H=1, S=1)], n)  # a rank with an empty slice of heads
 
 
+def _only(name: str) -> str:
+    """Program NAME of BLOCK as it is written there, alone (its first line the file's first)."""
+    start = BLOCK.index(f"program {name}(")
+    end = BLOCK.find("\nprogram ", start)
+    return BLOCK[start:] if end < 0 else BLOCK[start:end + 1]
+
+
 RAISES = """
 import sys
 import numpy as np
@@ -501,14 +508,14 @@ def test_compiled_heads_that_do_not_divide_raise_on_every_rank(tmp_path):
     """2 heads of a dim of 6 over 4 ranks: each rank's slice of 2 columns is not whole heads."""
     from coconetc.runtime.loader import compile_cpu
     f = tmp_path / "heads.ccn"
-    f.write_text(BLOCK)
+    f.write_text(_only("heads"))  # the one program the ranks call: one unit to build
     compile_cpu(load_file(f), log=lambda msg: None)
     script = tmp_path / "raises.py"
     script.write_text(RAISES)
     cmd = mpiexec.command(4, [sys.executable, str(script), str(f)])
     res = subprocess.run(cmd, env=mpiexec.environment(4), capture_output=True, text=True, timeout=600)
     lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank "))
-    want = "raised reshape (heads.ccn:15): a dim of 6 sliced over 4 ranks into 2 x 3"
+    want = "raised reshape (heads.ccn:2): a dim of 6 sliced over 4 ranks into 2 x 3"
     assert len(lines) == 4 and all(want in ln for ln in lines), res.stdout + res.stderr[-3000:]
 
 
@@ -559,7 +566,7 @@ def test_torch_function_of_the_attention_matches_torch_on_two_ranks(tmp_path, ba
     if why:
         pytest.skip(why)
     f = tmp_path / "attention.ccn"
-    f.write_text(BLOCK.replace("f32", "f64"))
+    f.write_text(_only("attention").replace("f32", "f64"))  # the program the function calls, alone
     script = tmp_path / "attention_torch.py"
     script.write_text(TORCH)
     env = mpiexec.environment(2) | ({"COCONET_CUDA_EMULATE": "1"} if backend == "cuda" else {})
