@@ -3,12 +3,14 @@ derived (vector-Jacobian) programs, compiled for the CPU backend or the CUDA bac
 host emulation (already built by the test), called once on random inputs and compared with the
 interpreter on rank 0.
 
-    cpu FILE [SYM=N]...       the CPU module (coconetc.load)
-    emulate FILE [SYM=N]...   the CUDA module under the host emulation
-(SYM=N: the size of a size symbol in every program that has it)
+    cpu FILE [SYM=N]... [-- SYM=N...]...       the CPU module (coconetc.load)
+    emulate FILE [SYM=N]... [-- SYM=N...]...   the CUDA module under the host emulation
+(SYM=N: the size of a size symbol in every program that has it; each set of sizes after a `--`
+runs every program again, in the same launch)
 
-Prints `MATCH <program>` or `MISMATCH <program> <problems>` per program (rank 0); under the
-emulation then `COUNTS index32=N index64=M`: rank 0's kernels launched with 32- and 64-bit indices."""
+Prints `MATCH <program>` or `MISMATCH <program> <problems>` per program and set of sizes (rank 0);
+under the emulation then `COUNTS index32=N index64=M`: rank 0's kernels launched with 32- and
+64-bit indices (over every set)."""
 
 from __future__ import annotations
 
@@ -23,17 +25,24 @@ from coconetc.oracle.inputs import random_inputs
 
 def main(comm) -> int:
     backend, file = sys.argv[1], sys.argv[2]
-    sizes = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
+    sets: list[dict[str, int]] = [{}]
+    for a in sys.argv[3:]:
+        if a == "--":
+            sets.append({})
+        else:
+            k, v = a.split("=")
+            sets[-1][k] = int(v)
     mod = load_emulated(file) if backend == "emulate" else load_cpu(file)
     rank, R = comm.Get_rank(), comm.Get_size()
     bad = 0
-    for name, fn in mod.programs.items():
-        ir = mod.source_module.programs[name]
-        inputs = random_inputs(ir, R, 1, sizes, seed=3)
-        problems = verify_call(comm, fn, ir, inputs).problems
-        if rank == 0:
-            print(f"MATCH {name}" if not problems else f"MISMATCH {name} {problems[:4]}", flush=True)
-        bad += bool(problems)
+    for sizes in sets:
+        for name, fn in mod.programs.items():
+            ir = mod.source_module.programs[name]
+            inputs = random_inputs(ir, R, 1, sizes, seed=3)
+            problems = verify_call(comm, fn, ir, inputs).problems
+            if rank == 0:
+                print(f"MATCH {name}" if not problems else f"MISMATCH {name} {problems[:4]}", flush=True)
+            bad += bool(problems)
     if backend == "emulate" and rank == 0:
         c = mod.ext.emulation_counts()
         print(f"COUNTS index32={c['index32_kernels']} index64={c['index64_kernels']}", flush=True)

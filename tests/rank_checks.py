@@ -1,14 +1,18 @@
 """What the tests that run a worker script on R MPI ranks share: the build cache in pytest's
-cache folder (so the ranks only import modules built once), the launch, and the worker's report
-lines ("OK <label> ..." / "FAIL <label>: <why>", printed by rank 0)."""
+cache folder (so the ranks only import modules built once), the launch, the worker's report
+lines ("OK <label> ..." / "FAIL <label>: <why>", printed by rank 0), and several `coconetc run`
+jobs in one launch (run_jobs)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from coconetc.launch import mpiexec
 from coconetc.launch.mpiexec import run_python
 from coconetc.toolchain import probes
 
@@ -33,6 +37,27 @@ def launch(capfd, worker: Path, ranks: int, *args: str, timeout: float = 500) ->
     rc = run_python(ranks, [str(worker), *args], timeout=timeout)
     out, err = capfd.readouterr()
     return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+
+
+RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
+
+
+def run_jobs(ranks: int, jobs: Sequence[Sequence[str]], env: dict[str, str] | None = None,
+             timeout: float | None = None) -> str:
+    """JOBS (each the arguments of `python -m coconetc.jobs.run`: FILE --program P --schedule S...,
+    what `coconetc run` starts on its ranks) one after the other in one launch on RANKS ranks
+    (tests/run_jobs_worker.py), ENV added to the environment; the output (asserted exit code 0).
+    Its result lines are `coconetc run`'s: "<program> [<schedule>]: R ranks: ...: <status>".
+    The ranks build a module not built yet (one of them; the others wait for it): TIMEOUT
+    (default 600 s a job, as the tests gave each `coconetc run`) covers that."""
+    argv = [sys.executable, str(RUN_JOBS)]
+    for job in jobs:
+        argv += [*job, "--"]
+    res = subprocess.run(mpiexec.command(ranks, argv), env={**mpiexec.environment(ranks), **(env or {})},
+                         capture_output=True, text=True, timeout=timeout or 600 * len(jobs))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    return out
 
 
 def check(lines: list[str], log: str, labels: list[str], prefix: bool = False) -> None:

@@ -473,9 +473,15 @@ def test_cpu_backend_matches_interpreter(tmp_path):
     f.write_text(_block_text() + "\n" + _half_attention())
     compile_cpu(load_file(f), log=lambda msg: None)
     n = 2 * len(load_source(BLOCK).programs) + 2
-    for ranks in (1, 2):
-        _launch(ranks, ["cpu", str(f), *_sizes()], n)
-    _launch(2, ["cpu", str(f), *_sizes(H=1, S=1)], n)  # a rank with an empty slice of heads
+    _launch(1, ["cpu", str(f), *_sizes()], n)
+    _launch(2, ["cpu", str(f), *_sizes(), "--", *_sizes(H=1, S=1)], 2 * n)  # then a rank with an empty slice of heads
+
+
+def _only(name: str) -> str:
+    """Program NAME of BLOCK as it is written there, alone (its first line the file's first)."""
+    start = BLOCK.index(f"program {name}(")
+    end = BLOCK.find("\nprogram ", start)
+    return BLOCK[start:] if end < 0 else BLOCK[start:end + 1]
 
 
 RAISES = """
@@ -501,14 +507,14 @@ def test_compiled_heads_that_do_not_divide_raise_on_every_rank(tmp_path):
     """2 heads of a dim of 6 over 4 ranks: each rank's slice of 2 columns is not whole heads."""
     from coconetc.runtime.loader import compile_cpu
     f = tmp_path / "heads.ccn"
-    f.write_text(BLOCK)
+    f.write_text(_only("heads"))  # the one program the ranks call: one unit to build
     compile_cpu(load_file(f), log=lambda msg: None)
     script = tmp_path / "raises.py"
     script.write_text(RAISES)
     cmd = mpiexec.command(4, [sys.executable, str(script), str(f)])
     res = subprocess.run(cmd, env=mpiexec.environment(4), capture_output=True, text=True, timeout=600)
     lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank "))
-    want = "raised reshape (heads.ccn:15): a dim of 6 sliced over 4 ranks into 2 x 3"
+    want = "raised reshape (heads.ccn:2): a dim of 6 sliced over 4 ranks into 2 x 3"
     assert len(lines) == 4 and all(want in ln for ln in lines), res.stdout + res.stderr[-3000:]
 
 
@@ -559,7 +565,7 @@ def test_torch_function_of_the_attention_matches_torch_on_two_ranks(tmp_path, ba
     if why:
         pytest.skip(why)
     f = tmp_path / "attention.ccn"
-    f.write_text(BLOCK.replace("f32", "f64"))
+    f.write_text(_only("attention").replace("f32", "f64"))  # the program the function calls, alone
     script = tmp_path / "attention_torch.py"
     script.write_text(TORCH)
     env = mpiexec.environment(2) | ({"COCONET_CUDA_EMULATE": "1"} if backend == "cuda" else {})
@@ -577,8 +583,9 @@ def test_cuda_emulation_matches_interpreter(tmp_path):
     mod = load_file(f)
     assert all(not p.unsupported("cuda-emulated") for p in mod.plans.values())
     toolchain.compile(mod, "cuda-emulated", toolchain.Options(log=lambda msg: None))
-    _launch(2, ["emulate", str(f), *_sizes(T=300, S=300, H=2, B=1)])  # rows longer than a block's threads
-    _launch(2, ["emulate", str(f), *_sizes(H=1, S=1)])  # a rank with an empty slice of heads
+    # rows longer than a block's threads, then a rank with an empty slice of heads (one launch)
+    _launch(2, ["emulate", str(f), *_sizes(T=300, S=300, H=2, B=1), "--", *_sizes(H=1, S=1)],
+            4 * len(load_source(BLOCK).programs))
 
 
 @pytest.mark.slow

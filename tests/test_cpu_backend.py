@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from coconetc.interp.values import TOLERANCE
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.ccn"))
+_loaded = cache(load_file)  # each example parsed and planned once for the matrices below (collection)
 CALLS_WORKER = Path(__file__).with_name("cpu_calls_worker.py")
 RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
 LAUNCH_TIMEOUT = 240  # s; generous: a rank rebuilds if the compiler changed since the fixture ran
@@ -82,7 +84,7 @@ def _size_label(sizes: dict[str, int]) -> str:
 def _matrix():
     """(file, program, schedules, ranks, groups, sizes) for every launch, with readable ids."""
     for f in EXAMPLES:
-        mod = load_file(f)
+        mod = _loaded(f)
         groups = GROUPS.get(f.name, 1)
         for prog in mod.programs:
             scheds = ["default", *(s for s, x in mod.schedules.get(prog, {}).items() if not x.auto)]
@@ -104,7 +106,7 @@ def _chunked_matrix():
     """The fused-collective and overlap schedules on 3 ranks with 2-element chunks
     (COCONET_CHUNK), so that they run through many chunks, not the one the sizes above give."""
     for f in EXAMPLES:
-        mod = load_file(f)
+        mod = _loaded(f)
         groups = GROUPS.get(f.name, 1)
         ranks = 3 * groups
         for prog, scheds in mod.schedules.items():
@@ -191,7 +193,7 @@ def adam_mod(modules):
 # --- every program and schedule under mpiexec ----------------------------------------------------
 def test_matrix_covers_every_program():
     """A program added to an example without sizes here would run with the default size only."""
-    programs = {p for f in EXAMPLES for p in load_file(f).programs}
+    programs = {p for f in EXAMPLES for p in _loaded(f).programs}
     assert programs <= set(SIZES), f"add sizes for {sorted(programs - set(SIZES))}"
 
 
@@ -463,7 +465,7 @@ def _repeat_sizes(big: dict[str, int]) -> list[dict[str, int]]:
 
 
 REPEATS = [pytest.param(f, prog, id=f"{f.name}-{prog}", marks=[pytest.mark.slow] if f.name in SLOW_FILES else [])
-           for f in EXAMPLES for prog in load_file(f).programs]
+           for f in EXAMPLES for prog in _loaded(f).programs]
 
 
 @pytest.mark.parametrize("file, program", REPEATS)

@@ -5,7 +5,6 @@ Running the modules needs a GPU: bench/cuda_gpu_check.py does that (docs/cuda.md
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -271,16 +270,18 @@ def test_every_example_compiles_and_links_with_nvcc(path):
 def test_the_symmetric_kernel_keeps_no_stack_frame(tmp_path):
     """ptxas's report of the symmetric-memory kernel (adam zero and fused, sm_90): no local memory.
     Its caller windows inside the SymThread the kernel modifies, indexed at run time, once made
-    every thread copy a 632-byte frame into local memory before any work (docs/cuda.md)."""
+    every thread copy a 632-byte frame into local memory before any work (docs/cuda.md). The
+    module's device code only (nvcc --cubin with the build's options: no host compile, no
+    binding, no link; the build itself is test_every_example_compiles_and_links_with_nvcc's)."""
     why = probes.cuda_missing()
     if why:
         print(f"skipped: {why}")
         pytest.skip(why)
-    env = {**os.environ, "CUDAFLAGS": "-Xptxas -v", "COCONET_VERBOSE": "1",
-           "COCONET_CACHE": str(tmp_path / "cache")}
-    res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "compile", "--backend", "cuda",
-                          "--arch", ARCHS, "-o", str(tmp_path / "out"), str(EXAMPLES[0].parent / "adam.ccn")],
-                         capture_output=True, text=True, env=env)
+    from coconetc.toolchain import commands
+    art = toolchain.compile(load_file(EXAMPLES[0].parent / "adam.ccn"), "cuda", toolchain.Options(build=False, archs=ARCHS))
+    (cu,) = [f for f in art.write_sources(tmp_path) if f.name == "module.cu"]
+    cmd = [*commands.cuda_flags(f"{ARCHS}-real"), "-Xptxas", "-v", "--cubin", "-o", str(tmp_path / "module.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = res.stdout + res.stderr
     # per kernel: "Function properties for <mangled>", then "N bytes stack frame, M bytes spill stores"

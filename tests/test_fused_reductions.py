@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from rank_checks import run_jobs
 
 from coconetc.codegen.cuda import generate
 from coconetc.errors import CompileError
@@ -104,15 +105,23 @@ def test_interpreted_schedules_equal_the_program(file, prog, scheds):
         assert out.count("matches the unscheduled program on every rank") == len(scheds)
 
 
+def _jobs(ranks: int, cases, sizes: list[str], env: dict[str, str], backend: tuple[str, ...] = ()) -> str:
+    """Every schedule of each case's file, as `coconetc run FILE -s all` runs them (the program,
+    then each schedule), in one launch on RANKS ranks (rank_checks.run_jobs), ENV set."""
+    return run_jobs(ranks, [[str(EX / file), "--program", prog, *backend, *sizes,
+                             *(f"--schedule={s}" for s in ("default", *scheds))] for file, prog, scheds in cases], env)
+
+
 @pytest.mark.parametrize("algo", ["shm", pytest.param("p2p", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("file,prog,scheds", CASES, ids=[c[0] for c in CASES])
-def test_compiled_schedules_equal_the_interpreter(file, prog, scheds, algo):
-    """Several chunks (chunks of 256 elements), slices that 2 and 3 do not divide."""
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_compiled_schedules_equal_the_interpreter(ranks, algo):
+    """Several chunks (chunks of 256 elements), slices that 2 and 3 do not divide; every case's
+    file in one launch."""
     env = {"COCONET_CHUNK": "256", **({"COCONET_FUSED": "p2p"} if algo == "p2p" else {})}
-    for ranks in (1, 2, 3):
-        out = _run(["run", str(EX / file), "-s", "all", "--ranks", str(ranks), "--size", "N=2003"], env)
+    out = _jobs(ranks, CASES, ["--size=N=2003"], env)
+    for _, prog, scheds in CASES:
         for s in ("default", *scheds):
-            assert re.search(rf"{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out), out
+            assert re.search(rf"^{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out, re.M), out
 
 
 # --- CUDA: the partial results accumulated per chunk (tested under the host emulation) ------------------
@@ -217,21 +226,20 @@ def test_layernorm_dx_in_a_row_wise_phase_equals_the_interpreter(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("algo", ["pipeline", "auto"])
-@pytest.mark.parametrize("file,prog,scheds", EMU_CASES, ids=[c[0] for c in EMU_CASES])
-def test_cuda_per_chunk_equals_the_interpreter(file, prog, scheds, algo):
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_cuda_per_chunk_equals_the_interpreter(ranks, algo):
     """The CUDA module under the host emulation, chunks of 5 elements (N = 23: several chunks,
-    uneven slices at 2 and 3 ranks, a last chunk shorter than the others): every schedule
-    matches the interpreter on 1 and 3 ranks (clipped_sgd: the reduced slice kept, no
-    gather); `pipeline` forces the chunk pipeline, `auto` runs the symmetric kernel where it
-    may (its first call, the first of auto's measured trials). Not on 2 ranks: 3 has uneven
-    slices too, and the CPU cases run on 2."""
+    uneven slices at 2 and 3 ranks, a last chunk shorter than the others): every schedule of
+    every file of EMU_CASES (one launch) matches the interpreter on 1 and 3 ranks (clipped_sgd:
+    the reduced slice kept, no gather); `pipeline` forces the chunk pipeline, `auto` runs the
+    symmetric kernel where it may (its first call, the first of auto's measured trials). Not on
+    2 ranks: 3 has uneven slices too, and the CPU cases run on 2."""
     env = {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo}
-    for ranks in (1, 3):
-        out = _run(["run", str(EX / file), "-s", "all", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
-                    "--size", "N=23"], env)
+    out = _jobs(ranks, EMU_CASES, ["--size=N=23"], env, ("--emulate-cuda",))
+    for _, prog, scheds in EMU_CASES:
         for s in ("default", *scheds):
-            assert re.search(rf"{prog} \[{s}\] \(CUDA, host emulation\): {ranks} ranks: .* matches the interpreter",
-                             out), out
+            assert re.search(rf"^{prog} \[{s}\] \(CUDA, host emulation\): {ranks} ranks: .* matches the interpreter "
+                             "on every rank", out, re.M), out
 
 
 TRUST = """program trust(g: f32[N] local, w: f32[N] replicated, lr: f32) {

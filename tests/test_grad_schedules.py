@@ -9,12 +9,13 @@ be is an error at its directive."""
 
 from __future__ import annotations
 
-import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rank_checks import run_jobs
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.errors import CompileError
@@ -112,25 +113,29 @@ def test_interpreter_schedules_match_the_program(mod, prog, ranks):
         assert rep.problems == [], (s, rep.problems)
 
 
-def _run(path: Path, prog: str, ranks: int, backend: list[str], cache: Path) -> str:
-    env = dict(os.environ, **{probes.ENV_CACHE: str(cache)})
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    grad = ["--grad"] if f"{prog}_grad" in SCHEDULES else []
-    cmd = [sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(path), "-p", prog, *grad, "-s", "all",
-           "--ranks", str(ranks), *[f"--size={k}={v}" for k, v in SIZES[prog].items()], *backend]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    return out
+# one module for every launch: the file with the derived programs of both (`coconetc run --grad`
+# builds the file with one program's; the CPU case on 1 rank runs that command too)
+GRAD_OF = ["--grad-of", "tp", "--grad-of", "col"]
 
 
-def _check(out: str, prog: str) -> None:
-    name = f"{prog}_grad" if f"{prog}_grad" in SCHEDULES else prog
-    for s in SCHEDULES[name]:
-        line = next((x for x in out.splitlines() if x.startswith(f"{name} [{s}]")), "")
-        assert MATCHES in line, (s, out)
+def _run(path: Path, ranks: int, backend: list[str]) -> str:
+    """Every schedule of SCHEDULES in one launch on RANKS ranks: the jobs `coconetc run -p P
+    [--grad] -s all` runs (the program, then each schedule), one after the other
+    (rank_checks.run_jobs)."""
+    return run_jobs(ranks, [[str(path), "--program", name, *GRAD_OF, *backend,
+                             *(f"--schedule={s}" for s in ("default", *scheds)),
+                             *(f"--size={k}={v}" for k, v in SIZES[name.removesuffix("_grad")].items())]
+                            for name, scheds in SCHEDULES.items()])
+
+
+def _check(out: str) -> None:
+    """A line per program and schedule, each matching the interpreter, and no other result."""
+    results = [x for x in out.splitlines() if re.match(r"\w+ \[\w+\]", x)]
+    assert len(results) == sum(1 + len(s) for s in SCHEDULES.values()), out
+    for name, scheds in SCHEDULES.items():
+        for s in ("default", *scheds):
+            line = next((x for x in results if x.startswith(f"{name} [{s}]")), "")
+            assert MATCHES in line, (name, s, out)
 
 
 @pytest.fixture(scope="module")
@@ -140,26 +145,25 @@ def ccn(tmp_path_factory) -> Path:
     return p
 
 
-@pytest.fixture(scope="module")
-def cache(request) -> Path:
-    return Path(request.config.cache.mkdir("coconet-build"))
-
-
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # quick: 1 and 3 (uneven)
-def test_cpu_backend_matches_interpreter(ccn, cache, ranks):
-    for prog in ("tp", "col", "nt"):
-        _check(_run(ccn, prog, ranks, [], cache), prog)
+def test_cpu_backend_matches_interpreter(ccn, ranks):
+    _check(_run(ccn, ranks, []))
+    if ranks == 1:  # and the user's command for a derived program's schedules (its units built already)
+        r = subprocess.run([sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(ccn), "-p", "col",
+                            "--grad", "-s", "all", "--ranks", "1", *(f"--size={k}={v}" for k, v in SIZES["col"].items())],
+                           capture_output=True, text=True, timeout=900)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("col_grad [")]
+        assert r.returncode == 0 and len(lines) == 3 and all(MATCHES in x for x in lines), r.stdout + r.stderr
 
 
 @pytest.mark.slow  # (the CPU backend's check of the same schedules stays quick)
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_cuda_emulation_matches_interpreter(ccn, cache, ranks):
-    for prog in ("tp", "col", "nt"):
-        out = _run(ccn, prog, ranks, ["--backend", "cuda", "--emulate"], cache)
-        assert "skipped" not in out, out
-        _check(out, prog)
+def test_cuda_emulation_matches_interpreter(ccn, ranks):
+    out = _run(ccn, ranks, ["--emulate-cuda"])
+    assert "skipped" not in out, out
+    _check(out)
 
 
 BAD = [

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_checks import run_jobs
 
 from coconetc.autodiff.text import check_text
 from coconetc.errors import CompileError
@@ -222,12 +223,15 @@ def mm_file(tmp_path_factory) -> Path:
 def test_compiled_schedules_equal_the_interpreter(mm_file, algo):
     """Several chunks (of 256 elements), N that 2 and 3 do not divide."""
     env = {"COCONET_CHUNK": "256", **({"COCONET_FUSED": "p2p"} if algo == "p2p" else {})}
-    for file, prog, scheds in ((mm_file, "mm", ("default", "plain", "fused")),
-                               (EX / "amax_scale.ccn", "amax_scale", ("default", "rs_a_ag", "zero"))):
-        for ranks in (2, 3):
-            out = _cli(["run", str(file), "-s", "all", "--ranks", str(ranks), "--size", "N=2003"], env)
+    cases = ((mm_file, "mm", ("default", "plain", "fused")),
+             (EX / "amax_scale.ccn", "amax_scale", ("default", "rs_a_ag", "zero")))
+    for ranks in (2, 3):  # both files in one launch (`coconetc run FILE -s all`'s jobs)
+        out = run_jobs(ranks, [[str(file), "--program", prog, "--size=N=2003", *(f"--schedule={s}" for s in scheds)]
+                               for file, prog, scheds in cases], env)
+        for _, prog, scheds in cases:
             for s in scheds:
-                assert re.search(rf"{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out), out
+                assert re.search(rf"^{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out,
+                                 re.M), out
 
 
 SCATTERED = """program sc(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {
