@@ -86,3 +86,33 @@ def symmetric_window_bytes(staged: int, most: int, out: int) -> int:
     256, then the largest slice, MOST elements of OUT bytes, in whole 4096-byte units (the
     emulated NCCL_WIN_REQUIRED_ALIGNMENT)."""
     return -(-((256 + staged + 255) // 256 * 256 + most * out) // 4096) * 4096
+
+
+def rank_parts(inputs: dict, ranks: int, sliced: dict[str, int]) -> list[dict]:
+    """Each rank's arguments for the interpreter: the slices (the language's partition rule)
+    of the parameters sliced along the dim `sliced` names, the rest whole."""
+    import numpy as np
+
+    from coconetc.ir.slices import slice_range
+    per_rank = []
+    for r in range(ranks):
+        mine = {}
+        for k, v in inputs.items():
+            if k in sliced:
+                lo, hi = slice_range(v.shape[sliced[k]], ranks, r)
+                v = np.take(v, np.arange(lo, hi), axis=sliced[k])
+            mine[k] = v.copy() if isinstance(v, np.ndarray) else v
+        per_rank.append(mine)
+    return per_rank
+
+
+def joined(results: list, out: str, dim: int | None):
+    """Output `out` of every rank's interpreter result, whole: concatenated along `dim`, or
+    (a replicated result, dim None) checked the same on every rank."""
+    import numpy as np
+    parts = [r.outputs[out] for r in results]
+    if dim is None:
+        for q in parts[1:]:
+            np.testing.assert_array_equal(q, parts[0])
+        return parts[0]
+    return np.concatenate(parts, axis=dim)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_checks import joined, rank_parts
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
@@ -169,32 +170,10 @@ def _f64() -> str:
     return EXAMPLE.read_text().replace("f32", "f64")
 
 
-def _parts(inputs: dict, ranks: int, sliced: dict[str, int]) -> list[dict]:
-    """Each rank's arguments: the slices of the sliced parameters, the rest whole."""
-    per_rank = []
-    for r in range(ranks):
-        mine = {}
-        for k, v in inputs.items():
-            if k in sliced:
-                dim = sliced[k]
-                lo, hi = slice_range(v.shape[dim], ranks, r)
-                v = np.take(v, np.arange(lo, hi), axis=dim)
-            mine[k] = v.copy() if isinstance(v, np.ndarray) else v
-        per_rank.append(mine)
-    return per_rank
-
 
 def _run(p, inputs: dict, ranks: int, sliced: dict[str, int] = SLICED) -> list:
-    return run(p, _parts(inputs, ranks, sliced))
+    return run(p, rank_parts(inputs, ranks, sliced))
 
-
-def _joined(results: list, out: str, dim: int | None) -> np.ndarray:
-    parts = [r.outputs[out] for r in results]
-    if dim is None:
-        for q in parts[1:]:  # a replicated result: the same on every rank
-            np.testing.assert_array_equal(q, parts[0])
-        return parts[0]
-    return np.concatenate(parts, axis=dim)
 
 
 def _inputs(blk: Block, x: np.ndarray, pdrop: float = 0.0) -> dict:
@@ -214,7 +193,7 @@ def test_forward_matches_nanogpt(program, ranks):
     if program == "gpt_block_sp":  # each rank's rows of y only
         assert [r.outputs["y"].shape[1] for r in res] == [slice_range(S, ranks, i)[1] - slice_range(S, ranks, i)[0]
                                                           for i in range(ranks)]
-    np.testing.assert_allclose(_joined(res, "y", LAYOUTS[program].get("y")), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(joined(res, "y", LAYOUTS[program].get("y")), want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
@@ -231,10 +210,10 @@ def test_gradients_match_autograd(program, ranks):
     mod, sliced = load_source(_f64()), LAYOUTS[program]
     g = vjp(mod.program(program))
     res = _run(g, {**_inputs(blk, x), "d_y": dy}, ranks, sliced)
-    got = {pub: _joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
+    got = {pub: joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
     sched = _run(mod.schedule(f"{program}_grad", "overlapped").ir, {**_inputs(blk, x), "d_y": dy}, ranks, sliced)
     for pub, _ in g.outputs:  # the derived program's schedule: the same gradients
-        np.testing.assert_allclose(_joined(sched, pub, sliced.get(pub[2:])), got[pub], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(joined(sched, pub, sliced.get(pub[2:])), got[pub], rtol=1e-12, atol=1e-14)
     assert set(got) == {"d_x", *(f"d_{k}" for k in PARAMS)}
     np.testing.assert_allclose(got["d_x"], tx.grad.numpy(), rtol=1e-9, atol=1e-12)
     for k in PARAMS:
@@ -265,7 +244,7 @@ def test_schedules_match_the_program_with_dropout():
         for ranks in (1, 2, 4):
             for name, ir in (("program", mod.program(program)),
                              *((n, sc.ir) for n, sc in mod.schedules[program].items())):
-                got = _joined(_run(ir, _inputs(blk, x, 0.3), ranks, sliced), "y", sliced.get("y"))
+                got = joined(_run(ir, _inputs(blk, x, 0.3), ranks, sliced), "y", sliced.get("y"))
                 np.testing.assert_allclose(got, one, rtol=1e-12, atol=1e-12, err_msg=f"{program} {name} R={ranks}")
 
 
@@ -534,7 +513,7 @@ def test_a_sequence_slice_that_does_not_match_the_group_names_x():
     3 and 2 (the compiled module on 2 ranks: test_torch_function_matches_nanogpt_on_two_ranks)."""
     blk = _block()
     x = np.random.default_rng(0).standard_normal((B, S, H))
-    parts = _parts(_inputs(blk, x), 2, SLICED_SP)
+    parts = rank_parts(_inputs(blk, x), 2, SLICED_SP)
     parts[0]["x"], parts[1]["x"] = x[:, :2].copy(), x[:, 2:].copy()
     p = load_source(_f64()).program("gpt_block_sp")
     with pytest.raises(ValueError, match=r"'x' on rank 0: dim 1 must be 3 \(f64\[B, S, H\] sliced\(1\), 2 ranks"):

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_checks import joined, rank_parts
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
 from coconetc.interp.interpreter import run
-from coconetc.ir.slices import slice_range
 from coconetc.launch import mpiexec
 from coconetc.sourcefile import load_source
 
@@ -89,26 +89,6 @@ def _nanogpt(x, w: dict, bias: bool):
     return x + fn.linear(h, w["w_proj"].T, w.get("b_proj"))
 
 
-def _parts(inputs: dict, ranks: int, sliced: dict[str, int]) -> list[dict]:
-    per_rank = []
-    for r in range(ranks):
-        mine = {}
-        for k, v in inputs.items():
-            if k in sliced:
-                lo, hi = slice_range(v.shape[sliced[k]], ranks, r)
-                v = np.take(v, np.arange(lo, hi), axis=sliced[k])
-            mine[k] = v.copy() if isinstance(v, np.ndarray) else v
-        per_rank.append(mine)
-    return per_rank
-
-
-def _joined(results: list, out: str, dim: int | None) -> np.ndarray:
-    parts = [r.outputs[out] for r in results]
-    if dim is None:
-        for q in parts[1:]:  # a replicated result: the same on every rank
-            np.testing.assert_array_equal(q, parts[0])
-        return parts[0]
-    return np.concatenate(parts, axis=dim)
 
 
 def _inputs(w: dict, x: np.ndarray, pdrop: float = 0.0) -> dict:
@@ -123,11 +103,11 @@ def test_forward_matches_nanogpt(program, ranks):
     x = np.random.default_rng(1).standard_normal((B, S, H))
     want = _nanogpt(torch.tensor(x), {k: torch.tensor(v) for k, v in w.items()}, bias).numpy()
     mod, sliced = load_source(_f64()), LAYOUTS[program]
-    res = run(mod.program(program), _parts(_inputs(w, x), ranks, sliced))
-    np.testing.assert_allclose(_joined(res, "y", sliced.get("y")), want, rtol=1e-12, atol=1e-12)
-    one = run(mod.program(program), _parts(_inputs(w, x, 0.3), 1, sliced))[0].outputs["y"]
+    res = run(mod.program(program), rank_parts(_inputs(w, x), ranks, sliced))
+    np.testing.assert_allclose(joined(res, "y", sliced.get("y")), want, rtol=1e-12, atol=1e-12)
+    one = run(mod.program(program), rank_parts(_inputs(w, x, 0.3), 1, sliced))[0].outputs["y"]
     for name, sc in mod.schedules[program].items():  # every schedule, with dropout on: the program's
-        got = _joined(run(sc.ir, _parts(_inputs(w, x, 0.3), ranks, sliced)), "y", sliced.get("y"))
+        got = joined(run(sc.ir, rank_parts(_inputs(w, x, 0.3), ranks, sliced)), "y", sliced.get("y"))
         np.testing.assert_allclose(got, one, rtol=1e-12, atol=1e-12, err_msg=name)
         assert np.abs(got - want).max() > 0.1  # (dropout drops)
 
@@ -146,16 +126,16 @@ def test_gradients_match_autograd(program, ranks):
     (_nanogpt(tx, tw, bias) * torch.tensor(dy)).sum().backward()
     mod, sliced = load_source(_f64()), LAYOUTS[program]
     g = vjp(mod.program(program))
-    res = run(g, _parts({**_inputs(w, x), "d_y": dy}, ranks, sliced))
-    got = {pub: _joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
+    res = run(g, rank_parts({**_inputs(w, x), "d_y": dy}, ranks, sliced))
+    got = {pub: joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
     assert set(got) == {"d_x", *(f"d_{k}" for k in w)}
     np.testing.assert_allclose(got["d_x"], tx.grad.numpy(), rtol=1e-9, atol=1e-12)
     for k in w:
         np.testing.assert_allclose(got[f"d_{k}"], tw[k].grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
     for name, sc in mod.schedules[f"{program}_grad"].items():
-        sched = run(sc.ir, _parts({**_inputs(w, x), "d_y": dy}, ranks, sliced))
+        sched = run(sc.ir, rank_parts({**_inputs(w, x), "d_y": dy}, ranks, sliced))
         for pub in got:
-            np.testing.assert_allclose(_joined(sched, pub, sliced.get(pub[2:])), got[pub], rtol=1e-12, atol=1e-14,
+            np.testing.assert_allclose(joined(sched, pub, sliced.get(pub[2:])), got[pub], rtol=1e-12, atol=1e-14,
                                        err_msg=f"{name} {pub}")
 
 
@@ -226,9 +206,9 @@ def test_a_layernorm_beta_computed_from_gamma_is_computed_before_the_fused_colle
     rng = np.random.default_rng(4)
     inputs = {"a": rng.standard_normal((2, 4, 6)), "m": rng.standard_normal((6, 5)), "w": rng.standard_normal(5)}
     sliced = {"a": 2, "m": 0}
-    want = np.concatenate([r.outputs["n"] for r in run(mod.program("ln_beta"), _parts(inputs, 2, sliced))], axis=1)
+    want = np.concatenate([r.outputs["n"] for r in run(mod.program("ln_beta"), rank_parts(inputs, 2, sliced))], axis=1)
     got = np.concatenate([r.outputs["n"] for r in run(mod.schedule("ln_beta", "overlapped").ir,
-                                                      _parts(inputs, 2, sliced))], axis=1)
+                                                      rank_parts(inputs, 2, sliced))], axis=1)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
