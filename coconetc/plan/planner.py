@@ -25,8 +25,7 @@ from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fed_matmul,
                                            fused_spec, gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of,
-                                           substitute,
-                                           unfed_matmul)
+                                           substitute, unfed_matmul)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap,

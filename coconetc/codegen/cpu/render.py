@@ -58,13 +58,10 @@ class CpuRenderer:
         self.w.emit(f"coconet::reshape<{ct}>({', '.join([args[1], *args[1:]])});  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
-        if u is self.fused_loop and self.fused_by in ROWWISE:  # rendered by its row-wise call (epilogue)
+        if u is self.fused_loop:  # rendered by its matmul or its row-wise call (epilogue)
             self.fused_loop = None
-            self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the {self.fused_by} above")
-            return
-        if u is self.fused_loop:  # rendered by its matmul (epilogue)
-            self.fused_loop = None
-            self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the matmul above")
+            by = self.fused_by if self.fused_by in ROWWISE else "matmul"
+            self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the {by} above")
             return
         if id(u) in self.attention:
             a, last = self.attention[id(u)]
