@@ -38,7 +38,7 @@ COCONETC = str(Path(sys.executable).parent / "coconetc")
 PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["default", "packed"],
             "bc": ["default", "rows"], "spmlp": ["default", "both"], "spmlp_grad": ["default", "both"],
             "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"], "fed": ["default", "both"],
-            "fed_grad": ["default", "both"]}
+            "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
     3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
@@ -60,7 +60,11 @@ def test_the_plan_shows_how_each_gather_is_cut():
             ("fed", "both"): "then m = matmul(g, w) per chunk, as its rows of g are gathered (chunk i while chunk "
                              "i+1's fused collective is in flight)",
             ("fed_grad", "both"): "then d_o = matmul_nt(g_allgather2, wo) per chunk, as its rows of g_allgather2 are "
-                                  "gathered"}
+                                  "gathered",
+            ("qk_grad", "sum"): "overlap g_g_part3 = matmul_nt(g_b, w2) + matmul_nt(g_a, w1) in 2 chunks along dim 0 "
+                                "(rows in place) -> d_x = reducescatter(sum, g_g_part3) per chunk",
+            ("rowsum", "sum"): "overlap s = matmul(h1, w1) + matmul(h2, w2) in 3 chunks along dim 0 (rows in place) -> "
+                               "y = allreduce(sum, s) per chunk"}
     for (prog, sched), text in want.items():
         res = _cli("show", str(FILE), "-p", prog, "-s", sched, "--format", "plan")
         assert res.returncode == 0 and text in res.stdout, res.stdout + res.stderr
@@ -85,8 +89,8 @@ program q(x: f32[B, S, H] sliced(1), w: f32[H, F] sliced(1), v: f32[F, H] sliced
     ("overlap(g, y, chunks=2, dim=2)", "2)", "cannot chunk 'g' along dim 2 (the contracted dim, chunkable dims: 0)"),
     ("overlap(g, y, chunks=2, dim=1)", "1)", "cannot chunk 'g' along dim 1 (the gathered dim (other than 0), "
      "chunkable dims: 0)"),
-    ("overlap(r, y, chunks=2)", "r", "the producer must be a matmul stage (or a derived program's matmul_nt), or an "
-     "allgather or a broadcast whose result a matmul reads"),
+    ("overlap(r, y, chunks=2)", "r", "the producer must be a matmul stage (or a derived program's matmul_nt), a sum "
+     "of such stages that nothing else reads, or an allgather or a broadcast whose result a matmul reads"),
 ])
 def test_bad_overlaps_are_located_errors(directive, where, message):
     src = BAD + f"schedule s for q {{\n    {directive}\n}}\n"
@@ -96,6 +100,44 @@ def test_bad_overlaps_are_located_errors(directive, where, message):
     assert message in d.message, d.message
     line = src.splitlines()[d.span.line - 1]
     assert line[d.span.col - 1:].startswith(where), (line, d.span)
+
+
+SUMS = """
+program q(h: f32[T, F] sliced(1), w1: f32[F, H] sliced(0), w2: f32[F, H] sliced(0)) {
+    p1 = matmul(h, w1)
+    p2 = matmul(h, w2)
+    s = p1 + p2
+    y = allreduce(sum, s)
+    p3 = matmul(h, w1)
+    p4 = matmul(h, w2)
+    k = p3 * 2.0
+    s2 = p3 + p4
+    z = allreduce(sum, s2)
+    return y, k, z
+}
+"""
+
+
+@pytest.mark.parametrize("directive, where, message, good", [
+    ("overlap(s, y, chunks=2, dim=1)", "1)", "a sum of matmuls ('s') is chunked along its rows (dim 0) only: "
+     "overlap(s, y, chunks=2)", "overlap(s, y, chunks=2)"),
+    ("overlap(s2, z, chunks=2)", "s2", "a sum of such stages that nothing else reads", None),  # k reads p3
+])
+def test_a_sum_of_matmuls_overlaps_along_its_rows_only(directive, where, message, good):
+    """A producer that is a sum of GEMM stages (Program.summed_gemms) is chunked along dim 0, and
+    only where nothing else reads its terms (they are computed inside the overlap, into its rows).
+    The advice is accepted."""
+    src = SUMS + f"schedule s for q {{\n    {directive}\n}}\n"
+    with pytest.raises(CompileError) as err:
+        load_source(src, "t.ccn")
+    d = err.value.diagnostics[0]
+    assert message in d.message, d.message
+    line = src.splitlines()[d.span.line - 1]
+    assert line[d.span.col - 1:].startswith(where), (line, d.span)
+    if good is not None:
+        from coconetc.plan.show import show as show_plan
+        ok = load_source(SUMS + f"schedule s for q {{\n    {good}\n}}\n", "t.ccn")
+        assert "overlap s = matmul(h, w1) + matmul(h, w2) in 2 chunks along dim 0" in show_plan(ok.plans[("q", "s")])
 
 
 def test_a_gather_or_matmul_overlapped_twice_is_refused():

@@ -293,12 +293,23 @@ def test_sp_schedules_fuse_the_layernorm_and_its_allgather_into_the_reduce_scatt
     # every collective overlapped with a matmul: no collective, fused collective or matmul of
     # the block's linear layers left on its own
     grad = show_plan(mod.plans[("gpt_block_sp_grad", "overlapped_both")])
-    for line in ("then hm = matmul(n2, w_fc) per chunk", "then g_o = matmul_nt(g_allgather4, ap_reshape) per chunk"):
+    for line in ("then hm = matmul(n2, w_fc) per chunk", "then g_o = matmul_nt(g_allgather4, ap_reshape) per chunk",
+                 "overlap g_n1_part4 = matmul_nt(g_v_add, v_reshape) + matmul_nt(g_k_matmul, k_reshape) + "
+                 "matmul_nt(g_q_add, qm_reshape) in 2 chunks along dim 0 (rows in place) -> "
+                 "g_n1s = reducescatter(sum, g_n1_part4) per chunk"):
         assert line in grad, line
     from coconetc.plan.units import Collective, Fused, Library
     units = mod.plans[("gpt_block_sp", "overlapped_both")].units
     assert not [u for u in units if isinstance(u, (Collective, Fused))], both
     assert not [u for u in units if isinstance(u, Library) and u.dst in ("qm", "ap", "hm", "mp")], both
+    # and in the derived program, forward and backward, but the all-reduces of the replicated
+    # parameters' gradients ([H] each: Megatron's too): attention's input gradient is the sum of
+    # q's, k's and v's, whose GEMMs add into each block's rows (no buffer of their own)
+    plan = mod.plans[("gpt_block_sp_grad", "overlapped_both")]
+    alone = {u.dst if isinstance(u, Collective) else u.collective for u in plan.units
+             if isinstance(u, (Collective, Fused))}
+    assert alone == {"d_b_proj", "d_ln2_w", "d_ln2_b", "d_bo", "d_ln1_w", "d_ln1_b"}, grad
+    assert not {"g_n1_part", "g_n1_part2", "g_n1_part3"} & {b.name for b in plan.buffers}, grad
 
 
 # --- compiled, against the interpreter ----------------------------------------------------------

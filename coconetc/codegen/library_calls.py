@@ -13,6 +13,8 @@ agree, so the same formulas hold for every layout."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from coconetc.codegen.base import Writer, cdim, prod
 from coconetc.codegen.emit import literal
 from coconetc.ir.typerules import reshape_slices
@@ -118,6 +120,17 @@ def overlap_rows(w: Writer, u: Overlap | GatherMatmul, first: str, count: str, d
                         prod(lb[-2:])]
     inner, cols = la[-1], (lb[1] if u.gemm == "matmul" else lb[0])
     return u.gemm, [f"v_{u.a} + {first} * {inner}", f"v_{u.b}", dst, count, inner, cols]
+
+
+def overlap_gemms(w: Writer, u: Overlap, first: str, count: str, dst: str) -> list[tuple[str, list[str]]]:
+    """The GEMMs of an overlap's chunk of rows (overlap_rows): its one GEMM, or, where the
+    producer is a sum of GEMMs (u.terms), the first and then each other one added into the same
+    rows (matmul_acc, matmul_nt_acc: beta = 1)."""
+    calls = [overlap_rows(w, u, first, count, dst)]
+    for t in u.terms:
+        fn, args = overlap_rows(w, replace(u, a=t.a, b=t.b, gemm=t.gemm, terms=()), first, count, dst)
+        calls.append((f"{fn}_acc", args))
+    return calls
 
 
 def overlap_cols(w: Writer, u: Overlap, dst: str) -> tuple[str, list[str]]:

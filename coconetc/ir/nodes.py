@@ -84,6 +84,10 @@ class Fusion:
     span: Span = field(default=NOWHERE, compare=False)
 
 
+OVERLAP_GEMMS = ("matmul", "matmul_nt")
+"""The operations an overlap can cut into chunks (plan/units.py Overlap.gemm)."""
+
+
 @dataclass(frozen=True)
 class Overlap:
     """A matmul `producer` and the collective (or fusion) `consumer` that reads it; or the
@@ -134,6 +138,32 @@ class Program:
 
     def users(self, name: str) -> list[Stage]:
         return [s for s in self.stages if name in refs(s.expr)]
+
+    def summed_gemms(self, name: str) -> tuple[Stage, ...]:
+        """The GEMM stages that stage `name` sums, when it is `t1 + t2 + ...` of two or more
+        stages, each a matmul or a matmul_nt of a 2-d right operand with name's type, read by
+        no other stage, neither an output nor an update (a derived program's input gradient
+        through several linear layers: attention's q, k and v). An overlap computes such a
+        producer chunk by chunk, one GEMM after another into the same rows (plan/units.py
+        Overlap.terms). () when it is not such a sum."""
+        s = self.stage(name)
+        names: list[str] = []
+
+        def terms(e: Expr) -> bool:
+            if isinstance(e, Op) and e.op == "add":
+                return all(terms(a) for a in e.args)
+            if isinstance(e, Ref):
+                names.append(e.name)
+                return True
+            return False
+        if s is None or not terms(s.expr) or len(names) < 2 or len(set(names)) != len(names):
+            return ()
+        out = {x for _, x in self.outputs + self.updates}
+        found = tuple(self.stage(n) for n in names)
+        ok = all(t is not None and isinstance(t.expr, Op) and t.expr.op in OVERLAP_GEMMS and t.type == s.type
+                 and t.expr.args[1].type.ndim == 2 and t.name not in out
+                 and [u.name for u in self.users(t.name)] == [name] for t in found)
+        return tuple(t for t in found if t is not None) if ok else ()
 
     def fusion_of(self, stage: str) -> Fusion | None:
         return next((f for f in self.fusions if stage in f.stages), None)

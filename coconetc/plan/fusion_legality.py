@@ -50,6 +50,7 @@ class OverlapSpec:
     fused: FusedSpec | None
     span: Span | None = None
     then: GatherSpec | None = None  # the matmul fed by the fused collective's gather (Overlap.then)
+    terms: tuple[Stage, ...] = ()  # the GEMM stages whose sum the producer is (Overlap.terms)
 
 
 @dataclass
@@ -329,6 +330,12 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
     direct = (o.dim == 0 and y.type.ndim >= 2 and not y.type.layout.sliced
               and (op == "allreduce" or (op == "reducescatter" and coll.type.layout.dim != 0)))
     fused = None
+    terms = p.summed_gemms(y.name)
+    if terms and not direct:
+        raise PlanError.at(o.span, f"overlap: '{y.name}', a sum of matmuls, is chunked in blocks of its rows "
+                           f"(dim 0) into an allreduce or a reducescatter along another dim; here into {op}" +
+                           (f" along dim {coll.type.layout.dim}" if op == "reducescatter" else "") +
+                           ": remove this overlap")
     if fusion is not None:
         if not direct:
             raise PlanError.at(o.span, f"overlap: a fused consumer is chunked along dim 0 of "
@@ -339,7 +346,7 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
     elif op not in ("allreduce", "reducescatter", "allgather"):
         raise PlanError.at(o.span, f"overlap: chunks of a matmul go to an allreduce, a "
                            f"reducescatter or an allgather; '{coll.name}' is {op}")
-    return OverlapSpec(y, coll, o.chunks, o.dim, direct, fused, o.span)
+    return OverlapSpec(y, coll, o.chunks, o.dim, direct, fused, o.span, terms=terms)
 
 
 def fed_matmul(p: Program, ov: OverlapSpec, into: dict[str, Overlap], scattered: set[str]) -> GatherSpec | None:

@@ -29,7 +29,7 @@ from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, O
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap,
-                                 Phase, Plan, Reduce, Require, Unit)
+                                 Phase, Plan, Reduce, Require, Term, Unit)
 
 
 def plan_program(p: Program, schedule: str = "default", target: str | None = None) -> Plan:
@@ -179,6 +179,7 @@ class _Planner:
         into = {o.producer: o for o in p.overlaps if stage_of(p, o.producer).kind == "collective"}
         overlaps = {o.producer: o for o in p.overlaps if o.producer not in into}
         waiting: dict[str, GatherSpec] = {}  # a gather whose matmul still waits for an operand
+        done.update(t.name for o in overlaps for t in p.summed_gemms(o))  # computed inside their sum's overlap
         for i, s in enumerate(self.order):
             late = next((w for w in waiting.values() if w.collective.name in reads(s.expr)), None)
             if late is not None:
@@ -652,8 +653,11 @@ class _Planner:
     # --- overlap --------------------------------------------------------------------------
     def _overlap(self, ov: OverlapSpec) -> None:
         y, c = ov.producer, ov.collective
-        a = self._materialize(op_of(y).args[0], y.name)
-        b = self._materialize(op_of(y).args[1], y.name)
+        gemms = ov.terms or (y,)  # (a sum of GEMMs: each term's operands; the terms get no buffer)
+        operands = [(self._materialize(op_of(t).args[0], t.name), self._materialize(op_of(t).args[1], t.name))
+                    for t in gemms]
+        (a, b), rest = operands[0], operands[1:]
+        terms = tuple(Term(op_of(t).op, ta, tb) for t, (ta, tb) in zip(gemms[1:], rest))
         keep = ov.direct or self._needed_after(y.name, (c.name,))
         if keep:
             self._place(y)
@@ -666,7 +670,7 @@ class _Planner:
             fused = self._fused(ov.fused, overlapped=True)
         then = self._fed(ov.then) if ov.then is not None else None
         self.out.append(Overlap(y.name, a, b, c.name, op_of(c).op, op_of(c).attr("op") or "", ov.chunks,
-                                ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(y).op, then))
+                                ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(gemms[0]).op, then, terms))
 
     def _fed(self, gs: GatherSpec) -> GatherMatmul:
         """The matmul a fused collective's gather feeds inside its overlap (Overlap.then): the

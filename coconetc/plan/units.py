@@ -315,7 +315,10 @@ class Overlap:
     collective's gathered value (overlap(g, y) with g in the fusion: async-TP's all-gather-matmul
     after a fused reduce-scatter), chunk i's rows of it multiplied as soon as chunk i's fused
     collective is done, while chunk i+1's is in flight (direct chunks along dim 0 only: chunk
-    i's rows of the gathered value are chunk i's rows of the producer)."""
+    i's rows of the gathered value are chunk i's rows of the producer). terms: where the
+    producer is a sum of GEMMs (Program.summed_gemms), the GEMMs after the first (gemm, a, b),
+    each added into the chunk's rows of the producer (beta = 1) after the first wrote them
+    (direct chunks only)."""
 
     producer: str
     a: str
@@ -331,6 +334,17 @@ class Overlap:
     line: int = 0
     gemm: str = "matmul"  # the producer's operation: matmul or matmul_nt
     then: GatherMatmul | None = None  # the matmul fed by the fused collective's gather, chunk by chunk
+    terms: tuple[Term, ...] = ()  # the further GEMMs of a producer that is their sum
+
+
+@dataclass(frozen=True)
+class Term:
+    """A GEMM of an overlap's producer that is a sum of GEMMs, after the first: gemm(a, b)
+    (matmul or matmul_nt, b 2-d) added into the producer's rows of each chunk."""
+
+    gemm: str
+    a: str
+    b: str
 
 
 @dataclass(frozen=True)
@@ -502,7 +516,7 @@ def _touches(u: Unit, names: set[str]) -> bool:
             any(_item_touches(i, names) for ph in u.phases for i in ph.items) or \
             any(_touches(a, names) for a in u.after)
     if isinstance(u, Overlap):
-        return bool({u.producer, u.a, u.b, u.collective} & names) or \
+        return bool({u.producer, u.a, u.b, u.collective, *(n for t in u.terms for n in (t.a, t.b))} & names) or \
             (u.fused is not None and _touches(u.fused, names)) or (u.then is not None and _touches(u.then, names))
     if isinstance(u, GatherMatmul):
         return bool({u.gather.src, u.gather.dst, u.consumer, u.b} & names)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from coconetc.errors import NOWHERE, ScheduleError
 from coconetc.ir import ops
-from coconetc.ir.nodes import POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
+from coconetc.ir.nodes import OVERLAP_GEMMS, POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.schedule.directives import Fuse, OverlapD, Reorder, span_of
 from coconetc.schedule.primitives import _fresh, _stage, gather_names, reorder, reorder_gathers
@@ -344,10 +344,6 @@ def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:
     return p.stages[:first] + tuple(before + members + after) + p.stages[last + 1:]
 
 
-OVERLAP_GEMMS = ("matmul", "matmul_nt")
-"""The operations an overlap can cut into chunks (plan/units.py Overlap.gemm)."""
-
-
 def overlap(p: Program, d: OverlapD) -> Program:
     """overlap(y, f, chunks=4)
 
@@ -357,30 +353,42 @@ def overlap(p: Program, d: OverlapD) -> Program:
 
     The producer is a matmul, or a derived program's matmul_nt (a x b^T, the input gradient
     of a matmul): chunks along its leading dims are row blocks of a, along its last dim row
-    blocks of b.
+    blocks of b. Or a sum of such stages (Program.summed_gemms: an input gradient through
+    several linear layers, attention's q, k and v): each chunk's rows are one GEMM after
+    another into the same rows, chunked along dim 0 only.
     """
     prod = p.stage(d.producer)
     if prod is not None and isinstance(prod.expr, Op) and prod.expr.op in GATHERS:
         return _overlap_into(p, d, prod)
-    if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op in OVERLAP_GEMMS):
+    terms = p.summed_gemms(d.producer)
+    if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op in OVERLAP_GEMMS or terms):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
                             "the producer must be a matmul stage (or a derived program's matmul_nt), "
+                            "a sum of such stages that nothing else reads, "
                             "or an allgather or a broadcast whose result a matmul reads")
-    if prod.expr.args[1].type.ndim > 2 and prod.expr.op != "matmul":
+    first = terms[0] if terms else prod
+    assert isinstance(first.expr, Op)
+    if first.expr.args[1].type.ndim > 2 and first.expr.op != "matmul":
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
-                            f"a batched {prod.expr.op} cannot be overlapped yet")
+                            f"a batched {first.expr.op} cannot be overlapped yet")
     coll = _consumer_collective(p, d)
     if not (isinstance(coll.top.args[0], Ref) and coll.top.args[0].name == d.producer):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
                             f"its collective '{coll.name}' does not read '{d.producer}' directly")
     if any(d.producer in (o.producer, o.consumer) for o in p.overlaps):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer is already overlapped")
-    dims = _chunkable(prod, coll)
+    dims = _chunkable(prod, first, coll)
     dim = dims[0] if d.dim is None and dims else d.dim
     if dim not in dims:
         at = span_of(d, "dim=" if d.dim is not None else d.consumer)
         raise ScheduleError(at, "overlap", d.consumer, f"cannot chunk along dim {dim}; "
                             f"chunkable dims: {', '.join(map(str, dims)) or 'none'}")
+    if terms and dim != 0:
+        at = span_of(d, "dim=" if d.dim is not None else d.consumer)
+        advice = (f"overlap({d.producer}, {d.consumer}, chunks={d.chunks})" if 0 in dims
+                  else "dim 0 cannot be chunked here: remove this overlap")
+        raise ScheduleError(at, "overlap", d.consumer, f"a sum of matmuls ('{d.producer}') is chunked along its rows "
+                            f"(dim 0) only: {advice}")
     return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
 
 
@@ -446,13 +454,14 @@ def _consumer_collective(p: Program, d: OverlapD) -> Stage:
     return colls[0]
 
 
-def _chunkable(prod: Stage, coll: Stage) -> list[int]:
+def _chunkable(prod: Stage, gemm: Stage, coll: Stage) -> list[int]:
     """Dims of the producer's result that both sides can cut: not the producer's own sliced
     dim, not the dim the collective scatters or gathers; of a batched matmul (a batched right
-    operand), only its batch dims (each chunk a strided-batched GEMM of whole batches)."""
+    operand), only its batch dims (each chunk a strided-batched GEMM of whole batches). gemm:
+    the producer, or the first GEMM of the sum it is."""
     t = prod.type
     banned = {t.layout.dim} if t.layout.sliced else set()
-    if prod.top.args[1].type.ndim > 2:
+    if gemm.top.args[1].type.ndim > 2:
         banned |= {t.ndim - 2, t.ndim - 1}
     op = coll.top
     if op.op in ("reducescatter", "scatter"):

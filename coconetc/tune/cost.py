@@ -351,6 +351,8 @@ class _Counter:
 
     def overlap(self, u: Overlap) -> Cost:
         gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))
+        for t in u.terms:  # a sum of GEMMs: each adds its product to the producer's rows
+            gemm.add(self.library(Library(u.producer, t.gemm, (t.a, t.b))))
         comm = (self.fused(u.fused, flat=True) if u.fused is not None
                 else self.collective(u.op, u.producer, u.collective, flat=True))
         if u.then is not None:  # the fed matmul hides the next block's communication too

@@ -213,16 +213,18 @@ void matmul(const T* A, const T* B, T* C, int64_t batch, int64_t M, int64_t K, i
 // C[M, N] = op(A) x op(B), row-major: op(A) is A[M, K] (leading dim lda), or A[K, M]^T when ta;
 // op(B) is B[K, N] (ldb), or B[N, K]^T when tb.  The same paths as gemm(): sgemm / dgemm with
 // the transpose flags for f32 / f64, f16 / bf16 widened to f32 around one sgemm, the loop
-// (accumulating in the compute type) for the others and without BLAS.
+// (accumulating in the compute type) for the others and without BLAS. accumulate: C += op(A) x
+// op(B) (beta = 1: an overlap's producer that is a sum of GEMMs, plan/units.py Overlap.terms),
+// f16 / bf16 adding the product, in f32, to C's value.
 
 // The reference loop of gemm_trans.
 template <class T>
 void gemm_trans_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda,
-                     const T* B, int64_t ldb, T* C, int64_t ldc) {
+                     const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate = false) {
   using Acc = compute_t<T>;
   std::vector<Acc> row(static_cast<size_t>(N));
   for (int64_t i = 0; i < M; ++i) {
-    std::fill(row.begin(), row.end(), Acc(0));
+    for (int64_t j = 0; j < N; ++j) row[static_cast<size_t>(j)] = accumulate ? to_compute(C[i * ldc + j]) : Acc(0);
     for (int64_t k = 0; k < K; ++k) {
       const Acc a = to_compute(ta ? A[k * lda + i] : A[i * lda + k]);
       if (tb)
@@ -238,23 +240,24 @@ void gemm_trans_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T*
 constexpr int kTrans = 112;  // CblasTrans
 
 inline void gemm_trans_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A,
-                            int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
+                            int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate = false) {
   COCONET_CBLAS(sgemm)(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(M), int(N),
-                       int(K), 1.0f, A, int(lda), B, int(ldb), 0.0f, C, int(ldc));
+                       int(K), 1.0f, A, int(lda), B, int(ldb), accumulate ? 1.0f : 0.0f, C, int(ldc));
 }
 inline void gemm_trans_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A,
-                            int64_t lda, const double* B, int64_t ldb, double* C, int64_t ldc) {
+                            int64_t lda, const double* B, int64_t ldb, double* C, int64_t ldc, bool accumulate = false) {
   COCONET_CBLAS(dgemm)(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(M), int(N),
-                       int(K), 1.0, A, int(lda), B, int(ldb), 0.0, C, int(ldc));
+                       int(K), 1.0, A, int(lda), B, int(ldb), accumulate ? 1.0 : 0.0, C, int(ldc));
 }
 #endif  // COCONET_NO_BLAS
 
 // C[M, N] = op(A) x op(B) (see above; C must not overlap A or B).
 template <class T>
 void gemm_trans(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda,
-                const T* B, int64_t ldb, T* C, int64_t ldc) {
+                const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate = false) {
   if (M <= 0 || N <= 0) return;
-  if (K <= 0) {  // empty sum: zeros (BLAS rejects a zero leading dim)
+  if (K <= 0) {  // empty sum: zeros, or C as it is (BLAS rejects a zero leading dim)
+    if (accumulate) return;
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = from_compute<T>(compute_t<T>(0));
     return;
@@ -262,7 +265,7 @@ void gemm_trans(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, i
 #ifndef COCONET_NO_BLAS
   if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
     require_blas_dims(M, N, K, lda, ldb, ldc);
-    return gemm_trans_blas(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+    return gemm_trans_blas(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, accumulate);
   } else if constexpr (is_half_like<T>::value) {
     require_blas_dims(M, N, K, lda, ldb, ldc);
     const int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
@@ -272,11 +275,21 @@ void gemm_trans(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, i
     widen_into(A, ar, ac, lda, a);
     widen_into(B, br, bc, ldb, b);
     gemm_trans_blas(ta, tb, M, N, K, a, ac, b, bc, c, N);
+    if (accumulate)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) c[i * N + j] += to_compute(C[i * ldc + j]);
     for (int64_t i = 0; i < M; ++i) narrow_into(c + i * N, N, C + i * ldc);
     return;
   }
 #endif
-  gemm_trans_loop(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+  gemm_trans_loop(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+
+// C[M, N] += A[M, K] x B[K, N], all dense row-major (a term of an overlap's sum of GEMMs after its
+// first; grad.h matmul_nt_acc is the matmul_nt one).
+template <class T>
+void matmul_acc(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N) {
+  gemm_trans(false, false, M, N, K, A, K, B, N, C, N, true);
 }
 
 // ---- a matmul in steps (overlap.h): B prepared once, rows of C in blocks ------------------------

@@ -29,6 +29,11 @@ template <class T>
 void matmul_nt(const T* A, const T* B, T* C, int64_t M, int64_t N, int64_t K) {
   gemm_trans(false, true, M, K, N, A, N, B, N, C, K);
 }
+// C[M, K] += A[M, N] x B[K, N]^T (a term of an overlap's sum of GEMMs after its first).
+template <class T>
+void matmul_nt_acc(const T* A, const T* B, T* C, int64_t M, int64_t N, int64_t K) {
+  gemm_trans(false, true, M, K, N, A, N, B, N, C, K, true);
+}
 
 // C[K, N] = A[M, K]^T x B[M, N] (M: the product of the leading dims), all dense row-major.
 template <class T>

@@ -40,7 +40,7 @@ class CpuOverlap:
         rows, per_row = ly[0], _prod(ly[1:-1])
         chunk = f"coconet::slice_range({rows}, {u.chunks}, i)"
         K, N = la[-1], lb[-1]
-        steps = u.gemm == "matmul" and len(lb) == 2  # (a batched matmul: its strided-batched call)
+        steps = u.gemm == "matmul" and len(lb) == 2 and not u.terms  # (a batched matmul: its strided-batched call)
         if steps:
             # b prepared once (f16/bf16 widened to f32 once, not once per chunk); each chunk's GEMM
             # in row blocks with the communication in flight progressed between them (gemm_steps)
@@ -55,11 +55,12 @@ class CpuOverlap:
             self.w.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
                       f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
                       "[&] { ov.progress(); });")
-        else:  # the chunk's rows in one GEMM (grad.h), then the communication in flight progressed
-            fn, args = library_calls.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
-                                            f"v_{y} + r.begin * {_prod(ly[1:])}")
-            self.w.emit(f"  coconet::{fn}<{ct}>({', '.join(args)});")
-            self.w.emit("  ov.progress();")
+        else:  # the chunk's rows in one GEMM (grad.h; a sum of GEMMs: one after another), then the
+            # communication in flight progressed after each
+            for fn, args in library_calls.overlap_gemms(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
+                                                        f"v_{y} + r.begin * {_prod(ly[1:])}"):
+                self.w.emit(f"  coconet::{fn}<{ct}>({', '.join(args)});")
+                self.w.emit("  ov.progress();")
         self.w.emit("}, [&](int i, int channel) {")
         self.w.emit(f"  const coconet::Range r = {chunk};")
         if u.fused is not None:

@@ -45,8 +45,9 @@ class CudaOverlap:
             self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
             self.w.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
-            self._gemm(ct, library_calls.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
-                                                f"v_{y} + r.begin * {_prod(ly[1:])}"), "    ")
+            for call in library_calls.overlap_gemms(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
+                                                    f"v_{y} + r.begin * {_prod(ly[1:])}"):
+                self._gemm(ct, call, "    ")
             self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
             src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
             self.w.emit(dispatch.chunk_collective(self.w, u, {
@@ -85,8 +86,9 @@ class CudaOverlap:
             self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob < {u.chunks} ? ob : 0);")
             self.w.emit(f"    const bool here = ob < {u.chunks} && !rb.empty();")
             self.w.emit("    if (here) {")
-        self._gemm(ct, library_calls.overlap_rows(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
-                                            f"v_{y} + rb.begin * {_prod(ly[1:])}"), "    ")
+        for call in library_calls.overlap_gemms(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
+                                                f"v_{y} + rb.begin * {_prod(ly[1:])}"):
+            self._gemm(ct, call, "    ")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
         if u.then is not None:
             self.w.emit("    }")

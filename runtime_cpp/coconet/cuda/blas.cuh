@@ -28,25 +28,26 @@ template <> struct BlasType<bfloat16> { static constexpr cudaDataType_t t = CUDA
 // Row-major C[M, N] = op(A) x op(B), ldc: op(A) is A[M, K] (lda), or A[K, M]^T when ta; op(B) is
 // B[K, N] (ldb), or B[N, K]^T when tb (grad.cuh: matmul_nt, matmul_tn). cuBLAS is column-major,
 // so it computes C^T = op(B)^T op(A)^T: the same pointers with the same transpose flags, swapped.
-// f16/bf16 accumulate in f32, f64 in f64, f32 in f32 (no TF32).
+// f16/bf16 accumulate in f32, f64 in f64, f32 in f32 (no TF32). accumulate: C += op(A) x op(B)
+// (beta = 1: an overlap's producer that is a sum of GEMMs, plan/units.py Overlap.terms).
 template <class T>
 void gemm_trans(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
-                T* C, int64_t ldc, cudaStream_t s) {
+                T* C, int64_t ldc, cudaStream_t s, bool accumulate = false) {
   if (M <= 0 || N <= 0) return;
   cublasHandle_t h = blas();
   COCONET_CUDA(cublasSetStream(h, s));
   if (K <= 0) {
-    COCONET_CUDA(cudaMemset2DAsync(C, ldc * sizeof(T), 0, N * sizeof(T), M, s));
+    if (!accumulate) COCONET_CUDA(cudaMemset2DAsync(C, ldc * sizeof(T), 0, N * sizeof(T), M, s));
     return;
   }
   const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (std::is_same<T, double>::value) {
-    const double alpha = 1, beta = 0;
+    const double alpha = 1, beta = accumulate ? 1 : 0;
     COCONET_CUDA(cublasGemmEx(h, opb, opa, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
                               BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_64F,
                               CUBLAS_GEMM_DEFAULT));
   } else {
-    const float alpha = 1, beta = 0;
+    const float alpha = 1, beta = accumulate ? 1 : 0;
     COCONET_CUDA(cublasGemmEx(h, opb, opa, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
                               BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_32F,
                               CUBLAS_GEMM_DEFAULT));
@@ -62,6 +63,11 @@ void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, 
 template <class T>
 void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
   gemm<T>(M, N, K, A, K, B, N, C, N, s);
+}
+// C[M, N] += A[M, K] x B[K, N] (a term of an overlap's sum of GEMMs after its first).
+template <class T>
+void matmul_acc(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
+  gemm_trans<T>(false, false, M, N, K, A, K, B, N, C, N, s, true);
 }
 
 // Batched: C[i] = A[i] x B[i] for i < batch (A[i] at A + i * stride_a, stride_a = 0: one A for every

@@ -14,16 +14,20 @@ namespace cuda {
 namespace emu {
 // cuBLAS is column-major: C (m x n, ldc) = op(A) (m x k, lda) op(B) (k x n, ldb) is, row-major,
 // C^T (n x m) = op(B)^T (n x k) op(A)^T (k x m): the CPU GEMM with the operands swapped, each
-// with its own transpose flag (a transposed operand is stored the other way round).
+// with its own transpose flag (a transposed operand is stored the other way round). accumulate:
+// beta = 1, C += the product (gemm_trans's accumulate).
 template <class T>
 void gemm_colmajor(cudaStream_t s, bool ta, bool tb, int m, int n, int k, const void* A, int lda, const void* B,
-                   int ldb, void* C, int ldc) {
+                   int ldb, void* C, int ldc, bool accumulate) {
   std::vector<Span> spans;
   strided(spans, B, tb ? k : n, tb ? n : k, ldb, sizeof(T), false);
   strided(spans, A, ta ? m : k, ta ? k : m, lda, sizeof(T), false);
   strided(spans, C, n, m, ldc, sizeof(T), true);
   op(s, std::move(spans), "cublasGemmEx", [=] {
-    if (!ta && !tb)
+    if (accumulate)
+      coconet::gemm_trans<T>(tb, ta, n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda,
+                             static_cast<T*>(C), ldc, true);
+    else if (!ta && !tb)
       coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda, static_cast<T*>(C), ldc);
     else
       coconet::gemm_trans<T>(tb, ta, n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda,
@@ -40,14 +44,20 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
                                    cublasComputeType_t ct, cublasGemmAlgo_t) {
   namespace emu = coconet::cuda::emu;
   const auto tr = [](cublasOperation_t o) { return o == CUBLAS_OP_T; };
-  const bool one = ct == CUBLAS_COMPUTE_64F ? *static_cast<const double*>(alpha) == 1 && *static_cast<const double*>(beta) == 0
-                                            : *static_cast<const float*>(alpha) == 1 && *static_cast<const float*>(beta) == 0;
-  if (!one) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const bool f64 = ct == CUBLAS_COMPUTE_64F;
+  const double a1 = f64 ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
+  const double b1 = f64 ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
+  if (a1 != 1 || (b1 != 0 && b1 != 1)) return CUBLAS_STATUS_NOT_SUPPORTED;  // (what the runtime asks)
+  const bool acc = b1 == 1;
   switch (at) {
-    case CUDA_R_32F: emu::gemm_colmajor<float>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
-    case CUDA_R_64F: emu::gemm_colmajor<double>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
-    case CUDA_R_16F: emu::gemm_colmajor<coconet::half>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
-    case CUDA_R_16BF: emu::gemm_colmajor<coconet::bfloat16>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
+    case CUDA_R_32F: emu::gemm_colmajor<float>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc, acc); break;
+    case CUDA_R_64F: emu::gemm_colmajor<double>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc, acc); break;
+    case CUDA_R_16F:
+      emu::gemm_colmajor<coconet::half>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc, acc);
+      break;
+    case CUDA_R_16BF:
+      emu::gemm_colmajor<coconet::bfloat16>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc, acc);
+      break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   return CUBLAS_STATUS_SUCCESS;

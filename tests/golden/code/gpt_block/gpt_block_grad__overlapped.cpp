@@ -107,24 +107,21 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::scratch<float, 47>(S_B * S_S * S_H);
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 48>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 47>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 49>(S_B * S_S * S_H);
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::scratch<float, 50>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::scratch<float, 48>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::scratch<float, 51>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::shared_scratch<float, 52>(comm, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 49>(S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::scratch<float, 50>(S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::scratch<float, 53>(S_B * S_S * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 54>(S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 51>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -434,7 +431,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
     const coconet::Range r = coconet::slice_range(S_S, 2, i);
@@ -525,8 +522,6 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape d_wv (gpt_block.ccn)
@@ -535,8 +530,6 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape d_wk (gpt_block.ccn)
@@ -549,34 +542,23 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  // [overlapped] loop: g_n1_part4 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-    }
-    }
-  }
+  // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
+  coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
+    coconet::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+    ov.progress();
+    coconet::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+    ov.progress();
+    coconet::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+    ov.progress();
+  }, [&](int i, int channel) {
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
+    return coconet::start_allreduce(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, comm, channel);
+  });
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped] allreduce g_n1 (gpt_block.ccn)
-  coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   // loop d_x: the epilogue of the layernorm_dx above

@@ -72,16 +72,16 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
   float* const v_h = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_mp = coconet::shared_scratch<float, 24>(comm, S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
-  // [fused] layernorm n1s (gpt_block.ccn:120)
+  // [fused] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
-  // [fused] allgather n1 (gpt_block.ccn:121)
+  // [fused] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [fused] matmul qm (gpt_block.ccn:122)
+  coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [fused] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
+  coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
   // [fused] loop: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -119,23 +119,23 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
     }
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [fused] transpose q (gpt_block.ccn:123)
+  coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  // [fused] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
-  // [fused] transpose k (gpt_block.ccn:124)
+  coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  // [fused] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   // [fused] loop: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -173,8 +173,8 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
     }
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  // [fused] transpose v (gpt_block.ccn:125)
+  coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  // [fused] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // t12_s: part of the forward attention call (plan: attention)
   // t13_s: part of the forward attention call (plan: attention)
@@ -186,13 +186,13 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  // [fused] reshape o (gpt_block.ccn:130)
-  coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");
+  // [fused] reshape o (gpt_block.ccn:132)
+  coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");
-  // [fused] matmul ap (gpt_block.ccn:131)
+  coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  // [fused] matmul ap (gpt_block.ccn:133)
   coconet::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f1 = [&](int64_t gb, int64_t ge, const float* red) {
   const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -226,7 +226,7 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::round_up(coconet::fused_chunk_elems(), S_H), compute_f1, {coconet::gather_target(v_n2, S_B * S_S * S_H)}, coconet::round_up(coconet::kProgressElems, S_H));
-  // [fused] matmul hm (gpt_block.ccn:136)
+  // [fused] matmul hm (gpt_block.ccn:138)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -255,9 +255,9 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
     }
   }
   // loop h: the epilogue of the matmul above
-  // [fused] matmul mp (gpt_block.ccn:138)
+  // [fused] matmul mp (gpt_block.ccn:140)
   coconet::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f2 = [&](int64_t gb, int64_t ge, const float* red) {
   const float k5_y = coconet::to_compute(v_pdrop[0]);

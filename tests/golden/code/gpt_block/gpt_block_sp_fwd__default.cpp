@@ -76,26 +76,26 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
   float* const v_mt = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");  // t0_qm's check
-  coconet::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // t1_q's check
-  coconet::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // t3_q's check
-  coconet::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t4_k's check
-  coconet::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t6_k's check
-  coconet::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t7_v's check
-  coconet::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t9_v's check
-  coconet::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t11_v's check
-  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");  // o's check
-  coconet::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");  // t17_ap's check
-  // [default] layernorm n1s (gpt_block.ccn:120)
+  coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t0_qm's check
+  coconet::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t1_q's check
+  coconet::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t3_q's check
+  coconet::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // t4_k's check
+  coconet::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // t6_k's check
+  coconet::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t7_v's check
+  coconet::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t9_v's check
+  coconet::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t11_v's check
+  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");  // o's check
+  coconet::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");  // t17_ap's check
+  // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
-  // [default] allgather n1 (gpt_block.ccn:121)
+  // [default] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [default] matmul qm (gpt_block.ccn:122)
+  coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [default] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
+  coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
   // [default] loop: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -133,23 +133,23 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     }
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [default] transpose q (gpt_block.ccn:123)
+  coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  // [default] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
-  // [default] transpose k (gpt_block.ccn:124)
+  coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  // [default] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   // [default] loop: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -187,8 +187,8 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     }
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  // [default] transpose v (gpt_block.ccn:125)
+  coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  // [default] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // t12_s: part of the forward attention call (plan: attention)
   // t13_s: part of the forward attention call (plan: attention)
@@ -200,15 +200,15 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  // [default] reshape o (gpt_block.ccn:130)
-  coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");
+  // [default] reshape o (gpt_block.ccn:132)
+  coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");
-  // [default] matmul ap (gpt_block.ccn:131)
+  coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  // [default] matmul ap (gpt_block.ccn:133)
   coconet::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  // [default] reducescatter at (gpt_block.ccn:132)
+  // [default] reducescatter at (gpt_block.ccn:134)
   coconet::reduce_scatter(coconet::Op::sum, v_ap, v_at, S_B, S_S, S_H, comm);
-  // [default] loop: x1 (gpt_block.ccn:133)
+  // [default] loop: x1 (gpt_block.ccn:135)
   const float k3_x1 = coconet::to_compute(v_pdrop[0]);
   const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
   {
@@ -246,11 +246,11 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     }
     }
   }
-  // [default] layernorm n2s (gpt_block.ccn:134)
+  // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s);
-  // [default] allgather n2 (gpt_block.ccn:135)
+  // [default] allgather n2 (gpt_block.ccn:137)
   coconet::allgather(v_n2s, v_n2, S_B, S_S, S_H, comm);
-  // [default] matmul hm (gpt_block.ccn:136)
+  // [default] matmul hm (gpt_block.ccn:138)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -279,11 +279,11 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     }
   }
   // loop h: the epilogue of the matmul above
-  // [default] matmul mp (gpt_block.ccn:138)
+  // [default] matmul mp (gpt_block.ccn:140)
   coconet::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  // [default] reducescatter mt (gpt_block.ccn:139)
+  // [default] reducescatter mt (gpt_block.ccn:141)
   coconet::reduce_scatter(coconet::Op::sum, v_mp, v_mt, S_B, S_S, S_H, comm);
-  // [default] loop: y (gpt_block.ccn:140)
+  // [default] loop: y (gpt_block.ccn:142)
   const float k5_y = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_y = coconet::to_compute(v_seed[0]);
   {

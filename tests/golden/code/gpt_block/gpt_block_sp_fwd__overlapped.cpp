@@ -73,26 +73,26 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_mp = coconet::scratch<float, 13>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");  // t0_qm's check
-  coconet::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // t1_q's check
-  coconet::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // t3_q's check
-  coconet::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t4_k's check
-  coconet::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t6_k's check
-  coconet::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t7_v's check
-  coconet::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t9_v's check
-  coconet::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t11_v's check
-  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");  // o's check
-  coconet::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");  // t17_ap's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:120)
+  coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t0_qm's check
+  coconet::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t1_q's check
+  coconet::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // t3_q's check
+  coconet::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // t4_k's check
+  coconet::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // t6_k's check
+  coconet::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t7_v's check
+  coconet::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t9_v's check
+  coconet::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t11_v's check
+  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");  // o's check
+  coconet::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");  // t17_ap's check
+  // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
-  // [overlapped] allgather n1 (gpt_block.ccn:121)
+  // [overlapped] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [overlapped] matmul qm (gpt_block.ccn:122)
+  coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [overlapped] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
+  coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
   // [overlapped] loop: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -130,23 +130,23 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
     }
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [overlapped] transpose q (gpt_block.ccn:123)
+  coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
-  // [overlapped] transpose k (gpt_block.ccn:124)
+  coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   // [overlapped] loop: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -184,8 +184,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
     }
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  // [overlapped] transpose v (gpt_block.ccn:125)
+  coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // t12_s: part of the forward attention call (plan: attention)
   // t13_s: part of the forward attention call (plan: attention)
@@ -197,11 +197,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  // [overlapped] reshape o (gpt_block.ccn:130)
-  coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");
+  // [overlapped] reshape o (gpt_block.ccn:132)
+  coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
+  coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:159)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_t17_ap, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_ap = coconet::gemm_b_ld<float>(S_H, S_H);
@@ -245,7 +245,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
   });
-  // [overlapped] matmul hm (gpt_block.ccn:136)
+  // [overlapped] matmul hm (gpt_block.ccn:138)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -274,7 +274,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
     }
   }
   // loop h: the epilogue of the matmul above
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:161)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_mp = coconet::gemm_prepare_b<float>(v_w_proj, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_mp = coconet::gemm_b_ld<float>(S_H, S_H);

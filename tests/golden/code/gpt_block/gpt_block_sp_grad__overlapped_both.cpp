@@ -109,27 +109,24 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::scratch<float, 53>(S_B * S_S * S_H);
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 54>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 53>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 55>(S_B * S_S * S_H);
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::scratch<float, 56>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 54>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::scratch<float, 57>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 58>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 55>(S_B * S_S * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 56>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::scratch<float, 59>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t5_d_x = coconet::scratch<float, 60>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::scratch<float, 57>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 61>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 62>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 58>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 59>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
@@ -137,16 +134,16 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");  // qm_reshape's check
-  coconet::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // q_reshape's check
-  coconet::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // q_reshape2's check
-  coconet::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // k_reshape's check
-  coconet::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // k_reshape2's check
-  coconet::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // v_reshape's check
-  coconet::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // v_reshape2's check
-  coconet::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // v_reshape3's check
-  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");  // o's check
-  coconet::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");  // ap_reshape's check
+  coconet::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // qm_reshape's check
+  coconet::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // q_reshape's check
+  coconet::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");  // q_reshape2's check
+  coconet::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // k_reshape's check
+  coconet::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // k_reshape2's check
+  coconet::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // v_reshape's check
+  coconet::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // v_reshape2's check
+  coconet::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // v_reshape3's check
+  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");  // o's check
+  coconet::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");  // ap_reshape's check
   coconet::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wo's check
   coconet::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_o_transpose's check
   coconet::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_v_add's check
@@ -157,11 +154,11 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
-  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:203)
+  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
   const auto* const bp_qm = coconet::gemm_prepare_b<float>(v_qm_reshape, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   const int64_t bld_qm = coconet::gemm_b_ld<float>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   coconet::overlap_into(2, [&](int i, int channel) {
@@ -171,9 +168,9 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_n1 + (r.begin * S_S) * S_H, S_H, bp_qm, bld_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });
   });
-  // [overlapped_both] reshape q_reshape (gpt_block.ccn:123)
-  coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [overlapped_both] loop: q_add (gpt_block.ccn:123)
+  // [overlapped_both] reshape q_reshape (gpt_block.ccn:125)
+  coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  // [overlapped_both] loop: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -209,25 +206,25 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
   }
-  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:123)
-  coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [overlapped_both] transpose q (gpt_block.ccn:123)
+  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:125)
+  coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped_both] reshape k_reshape (gpt_block.ccn:124)
-  coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
-  // [overlapped_both] matmul k_matmul (gpt_block.ccn:124)
+  // [overlapped_both] reshape k_reshape (gpt_block.ccn:126)
+  coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  // [overlapped_both] matmul k_matmul (gpt_block.ccn:126)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:124)
-  coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
-  // [overlapped_both] transpose k (gpt_block.ccn:124)
+  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:126)
+  coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped_both] reshape v_reshape (gpt_block.ccn:125)
-  coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  // [overlapped_both] matmul v_matmul (gpt_block.ccn:125)
+  // [overlapped_both] reshape v_reshape (gpt_block.ccn:127)
+  coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  // [overlapped_both] matmul v_matmul (gpt_block.ccn:127)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:125)
-  coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  // [overlapped_both] loop: v_add (gpt_block.ccn:125)
+  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:127)
+  coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  // [overlapped_both] loop: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -263,9 +260,9 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
   }
-  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:125)
-  coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  // [overlapped_both] transpose v (gpt_block.ccn:125)
+  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:127)
+  coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // s_transpose: part of the forward attention call (plan: attention)
   // s_matmul: part of the forward attention call (plan: attention)
@@ -274,13 +271,13 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   // a: part of the forward attention call (plan: attention)
   // o_matmul: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
-  // [overlapped_both] transpose o_transpose (gpt_block.ccn:130)
+  // [overlapped_both] transpose o_transpose (gpt_block.ccn:132)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  // [overlapped_both] reshape o (gpt_block.ccn:130)
-  coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");
-  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)");
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:205)
+  // [overlapped_both] reshape o (gpt_block.ccn:132)
+  coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
+  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:209)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_ap_reshape, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_ap = coconet::gemm_b_ld<float>(S_H, S_H);
@@ -331,7 +328,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_n2 + (r.begin * S_S) * S_H, S_H, bp_hm, bld_hm, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });
   });
-  // [overlapped_both] loop: h_add, h (gpt_block.ccn:137)
+  // [overlapped_both] loop: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -418,7 +415,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   }
   // [overlapped_both] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
+  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:211)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allgather(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, comm, channel);
@@ -464,7 +461,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   }
   // [overlapped_both] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:209)
+  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:213)
   const int64_t off_f3 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap_through(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -557,8 +554,6 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped_both] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped_both] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
   // [overlapped_both] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped_both] reshape d_wv (gpt_block.ccn)
@@ -567,8 +562,6 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [overlapped_both] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped_both] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
   // [overlapped_both] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped_both] reshape d_wk (gpt_block.ccn)
@@ -581,34 +574,23 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped_both] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped_both] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  // [overlapped_both] loop: g_n1_part4 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-    }
-    }
-  }
+  // [overlapped_both] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:215)
+  coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
+    coconet::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+    ov.progress();
+    coconet::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+    ov.progress();
+    coconet::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+    ov.progress();
+  }, [&](int i, int channel) {
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
+    return coconet::start_reduce_scatter(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
+  });
   // [overlapped_both] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [overlapped_both] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [overlapped_both] reducescatter g_n1s (gpt_block.ccn)
-  coconet::reduce_scatter(coconet::Op::sum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, comm);
   // [overlapped_both] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   // loop d_x: the epilogue of the layernorm_dx above

@@ -1631,16 +1631,16 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [default] layernorm n1s (gpt_block.ccn:120)
+  // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] matmul qm (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1684,23 +1684,23 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [default] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1744,14 +1744,14 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [default] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [default] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:127)
+  // [default] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1822,9 +1822,9 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:128)
+  // [default] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:129)
+  // [default] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1878,15 +1878,15 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [default] matmul ap (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [default] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:133)
+  // [default] kernel: x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1933,13 +1933,13 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:134)
+  // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:136)
+  // [default] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:137)
+  // [default] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1981,11 +1981,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:138)
+  // [default] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:139)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:141)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:140)
+  // [default] kernel: y (gpt_block.ccn:142)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2141,16 +2141,16 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [fused] layernorm n1s (gpt_block.ccn:120)
+  // [fused] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2194,23 +2194,23 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [fused] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [fused] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [fused] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2254,14 +2254,14 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [fused] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [fused] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:127)
+  // [fused] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2332,9 +2332,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] softmax p (gpt_block.ccn:128)
+  // [fused] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:129)
+  // [fused] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2388,13 +2388,13 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [fused] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2473,9 +2473,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 216, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:136)
+  // [fused] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:137)
+  // [fused] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2517,9 +2517,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:138)
+  // [fused] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2697,16 +2697,16 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped] layernorm n1s (gpt_block.ccn:120)
+  // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2750,23 +2750,23 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2810,14 +2810,14 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:127)
+  // [overlapped] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2888,9 +2888,9 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:128)
+  // [overlapped] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:129)
+  // [overlapped] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2944,11 +2944,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -2960,7 +2960,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:156)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:158)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3043,9 +3043,9 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 26);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:136)
+  // [overlapped] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:137)
+  // [overlapped] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3087,7 +3087,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:161)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3099,7 +3099,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:158)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:160)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3281,11 +3281,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -3299,7 +3299,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3343,23 +3343,23 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3403,14 +3403,14 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:127)
+  // [overlapped_both] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3481,9 +3481,9 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:128)
+  // [overlapped_both] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:129)
+  // [overlapped_both] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3537,11 +3537,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:171)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:173)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3561,7 +3561,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:170)
+  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:172)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3645,7 +3645,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 28);
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:137)
+  // [overlapped_both] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3687,7 +3687,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:174)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:176)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3699,7 +3699,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:173)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:175)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -4843,35 +4843,29 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(48, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(47, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(48, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_n1 = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -5275,12 +5269,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -5290,11 +5284,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 55);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 52);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 56);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 53);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -5499,8 +5493,6 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
@@ -5509,8 +5501,6 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
@@ -5523,40 +5513,25 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [overlapped] kernel: g_n1_part4 (gpt_block.ccn)
+  // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
-        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
-        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
-        coconet::cuda::Vec<float, 4> out_g_n1_part4;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
-          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
-        }
-        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
-      }
-    });
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 56);
+      coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+    }
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 57);
   }
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   // kernel d_x: the epilogue of the layernorm_dx above
@@ -5798,16 +5773,16 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -5818,17 +5793,17 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [default] layernorm n1s (gpt_block.ccn:120)
+  // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [default] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [default] matmul qm (gpt_block.ccn:122)
+  // [default] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape q_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] kernel: q_add (gpt_block.ccn:123)
+  // [default] reshape q_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5870,25 +5845,25 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape q_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose q (gpt_block.ccn:123)
+  // [default] reshape q_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] matmul k_matmul (gpt_block.ccn:124)
+  // [default] reshape k_reshape (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [default] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape k_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose k (gpt_block.ccn:124)
+  // [default] reshape k_reshape2 (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [default] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [default] matmul v_matmul (gpt_block.ccn:125)
+  // [default] reshape v_reshape (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [default] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape v_reshape2 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [default] kernel: v_add (gpt_block.ccn:125)
+  // [default] reshape v_reshape2 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [default] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5930,15 +5905,15 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape v_reshape3 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [default] transpose v (gpt_block.ccn:125)
+  // [default] reshape v_reshape3 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [default] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:127)
+  // [default] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] matmul s_matmul (gpt_block.ccn:127)
+  // [default] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s, p_where (gpt_block.ccn:127)
+  // [default] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5987,9 +5962,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:128)
+  // [default] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:129)
+  // [default] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6039,19 +6014,19 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul o_matmul (gpt_block.ccn:130)
+  // [default] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose o_transpose (gpt_block.ccn:130)
+  // [default] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [default] matmul ap (gpt_block.ccn:131)
+  // [default] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  // [default] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [default] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:133)
+  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6102,13 +6077,13 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:134)
+  // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:136)
+  // [default] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:137)
+  // [default] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6673,41 +6648,35 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_n1s = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t5_d_x = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(61, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(58, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(62, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(59, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -6722,16 +6691,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -6742,26 +6711,26 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:120)
+  // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
+  // [overlapped] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:192)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 64);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 61);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 63);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 60);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped] reshape q_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] kernel: q_add (gpt_block.ccn:123)
+  // [overlapped] reshape q_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6803,25 +6772,25 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape q_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:123)
+  // [overlapped] reshape q_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape k_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] matmul k_matmul (gpt_block.ccn:124)
+  // [overlapped] reshape k_reshape (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape k_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:124)
+  // [overlapped] reshape k_reshape2 (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape v_reshape (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped] matmul v_matmul (gpt_block.ccn:125)
+  // [overlapped] reshape v_reshape (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape v_reshape2 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped] kernel: v_add (gpt_block.ccn:125)
+  // [overlapped] reshape v_reshape2 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6863,15 +6832,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape v_reshape3 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:125)
+  // [overlapped] reshape v_reshape3 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose s_transpose (gpt_block.ccn:127)
+  // [overlapped] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped] matmul s_matmul (gpt_block.ccn:127)
+  // [overlapped] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s, p_where (gpt_block.ccn:127)
+  // [overlapped] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6920,9 +6889,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:128)
+  // [overlapped] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:129)
+  // [overlapped] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6972,15 +6941,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] matmul o_matmul (gpt_block.ccn:130)
+  // [overlapped] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose o_transpose (gpt_block.ccn:130)
+  // [overlapped] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:190)
+  // [overlapped] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:194)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -6988,11 +6957,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 65);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 62);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:189)
+  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:193)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7001,8 +6970,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(67, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(68, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(64, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(65, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -7073,15 +7042,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 552, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 528, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 66);
+    coconet::cuda::join(sctx.stream, ctx.stream, 63);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:136)
+  // [overlapped] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:137)
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7151,16 +7120,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:191)
+  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:195)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 71);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 68);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 70);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 67);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -7180,7 +7149,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:193)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:197)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7188,11 +7157,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 72);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 69);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:192)
+  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:196)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7201,8 +7170,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
     const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(74, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(75, nred_f3);
+    float* const red0_f3 = coconet::cuda::scratch<float>(71, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(72, nred_f3);
   COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
   COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
@@ -7275,11 +7244,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
     auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
     auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 608, reduce_to, compute_keep, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 584, reduce_to, compute_keep, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 73);
+    coconet::cuda::join(sctx.stream, ctx.stream, 70);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -7456,8 +7425,6 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
@@ -7466,8 +7433,6 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
@@ -7480,40 +7445,25 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [overlapped] kernel: g_n1_part4 (gpt_block.ccn)
+  // [overlapped] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:198)
   {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
-        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
-        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
-        coconet::cuda::Vec<float, 4> out_g_n1_part4;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
-          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
-        }
-        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
-      }
-    });
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    }
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 75);
   }
   // [overlapped] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] reducescatter g_n1s (NCCL) (gpt_block.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [overlapped] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   // kernel d_x: the epilogue of the layernorm_dx above
@@ -7712,41 +7662,35 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_n1s = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t5_d_x = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(61, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(58, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(62, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(59, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -7761,16 +7705,16 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -7781,26 +7725,26 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:203)
+  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 64);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 61);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 63);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 60);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped_both] reshape q_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] kernel: q_add (gpt_block.ccn:123)
+  // [overlapped_both] reshape q_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7842,25 +7786,25 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:123)
+  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped_both] reshape k_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] matmul k_matmul (gpt_block.ccn:124)
+  // [overlapped_both] reshape k_reshape (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped_both] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:124)
+  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped_both] reshape v_reshape (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped_both] matmul v_matmul (gpt_block.ccn:125)
+  // [overlapped_both] reshape v_reshape (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped_both] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped_both] kernel: v_add (gpt_block.ccn:125)
+  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped_both] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7902,15 +7846,15 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:125)
+  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped_both] transpose s_transpose (gpt_block.ccn:127)
+  // [overlapped_both] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped_both] matmul s_matmul (gpt_block.ccn:127)
+  // [overlapped_both] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s, p_where (gpt_block.ccn:127)
+  // [overlapped_both] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7959,9 +7903,9 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:128)
+  // [overlapped_both] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:129)
+  // [overlapped_both] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8011,15 +7955,15 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] matmul o_matmul (gpt_block.ccn:130)
+  // [overlapped_both] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped_both] transpose o_transpose (gpt_block.ccn:130)
+  // [overlapped_both] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:205)
+  // [overlapped_both] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:209)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -8028,18 +7972,18 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       const bool here = ob < 2 && !rb.empty();
       if (here) {
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 65);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 62);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
-        coconet::cuda::wait_mark(67, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::wait_mark(64, ctx.stream);  // block ob-1's fused collective is done
         coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
       }
       if (!here) continue;
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:204)
+  // [overlapped_both] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:208)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -8048,8 +7992,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(68, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(69, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(65, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(66, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -8120,14 +8064,14 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 560, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 536, reduce_to, compute, gather, source);
   }
       }
-      coconet::cuda::mark(sctx.stream, 67);  // block ob's rows of n2 are gathered
+      coconet::cuda::mark(sctx.stream, 64);  // block ob's rows of n2 are gathered
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 66);
+    coconet::cuda::join(sctx.stream, ctx.stream, 63);
   }
-  // [overlapped_both] kernel: h_add, h (gpt_block.ccn:137)
+  // [overlapped_both] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8197,16 +8141,16 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped_both] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
+  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:211)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 72);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 69);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 71);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 68);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -8226,7 +8170,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped_both] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:209)
+  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:213)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -8235,18 +8179,18 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       const bool here = ob < 2 && !rb.empty();
       if (here) {
       coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 73);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 70);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
-        coconet::cuda::wait_mark(75, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::wait_mark(72, ctx.stream);  // block ob-1's fused collective is done
         coconet::cuda::matmul_nt<float>(v_g_allgather4 + (rp.begin * S_S) * S_H, v_ap_reshape, v_g_o + (rp.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
       }
       if (!here) continue;
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:208)
+  // [overlapped_both] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:212)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -8255,8 +8199,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
     const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(76, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(77, nred_f3);
+    float* const red0_f3 = coconet::cuda::scratch<float>(73, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(74, nred_f3);
   COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
   COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
@@ -8329,12 +8273,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
     auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
     auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 624, reduce_to, compute_keep, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 600, reduce_to, compute_keep, gather, source);
   }
       }
-      coconet::cuda::mark(sctx.stream, 75);  // block ob's rows of g_allgather4 are gathered
+      coconet::cuda::mark(sctx.stream, 72);  // block ob's rows of g_allgather4 are gathered
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 74);
+    coconet::cuda::join(sctx.stream, ctx.stream, 71);
   }
   // [overlapped_both] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -8509,8 +8453,6 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped_both] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped_both] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped_both] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape d_wv (gpt_block.ccn)
@@ -8519,8 +8461,6 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   // [overlapped_both] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped_both] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped_both] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape d_wk (gpt_block.ccn)
@@ -8533,40 +8473,25 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped_both] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped_both] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [overlapped_both] kernel: g_n1_part4 (gpt_block.ccn)
+  // [overlapped_both] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:215)
   {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
-        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
-        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
-        coconet::cuda::Vec<float, 4> out_g_n1_part4;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
-          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
-        }
-        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
-      }
-    });
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 76);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    }
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 77);
   }
   // [overlapped_both] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped_both] reducescatter g_n1s (NCCL) (gpt_block.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [overlapped_both] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   // kernel d_x: the epilogue of the layernorm_dx above
@@ -8769,41 +8694,35 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(58, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_n1s = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t5_d_x = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(63, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(60, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(64, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(61, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -8818,16 +8737,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -8838,17 +8757,17 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [backward] layernorm n1s (gpt_block.ccn:120)
+  // [backward] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [backward] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [backward] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [backward] matmul qm (gpt_block.ccn:122)
+  // [backward] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape q_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] kernel: q_add (gpt_block.ccn:123)
+  // [backward] reshape q_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8890,25 +8809,25 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape q_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] transpose q (gpt_block.ccn:123)
+  // [backward] reshape q_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] matmul k_matmul (gpt_block.ccn:124)
+  // [backward] reshape k_reshape (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [backward] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape k_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] transpose k (gpt_block.ccn:124)
+  // [backward] reshape k_reshape2 (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [backward] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [backward] matmul v_matmul (gpt_block.ccn:125)
+  // [backward] reshape v_reshape (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [backward] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape v_reshape2 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [backward] kernel: v_add (gpt_block.ccn:125)
+  // [backward] reshape v_reshape2 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [backward] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8950,15 +8869,15 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape v_reshape3 (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [backward] transpose v (gpt_block.ccn:125)
+  // [backward] reshape v_reshape3 (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [backward] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:127)
+  // [backward] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] matmul s_matmul (gpt_block.ccn:127)
+  // [backward] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] kernel: s, p_where (gpt_block.ccn:127)
+  // [backward] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9007,9 +8926,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] softmax p (gpt_block.ccn:128)
+  // [backward] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [backward] kernel: a (gpt_block.ccn:129)
+  // [backward] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9059,19 +8978,19 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] matmul o_matmul (gpt_block.ccn:130)
+  // [backward] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose o_transpose (gpt_block.ccn:130)
+  // [backward] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [backward] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [backward] matmul ap (gpt_block.ccn:131)
+  // [backward] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  // [backward] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [backward] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [backward] reducescatter at (NCCL) (gpt_block.ccn:132)
+  // [backward] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:133)
+  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9122,13 +9041,13 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] layernorm n2s (gpt_block.ccn:134)
+  // [backward] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [backward] allgather n2 (NCCL) (gpt_block.ccn:135)
+  // [backward] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [backward] matmul hm (gpt_block.ccn:136)
+  // [backward] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] kernel: h_add, h (gpt_block.ccn:137)
+  // [backward] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9198,16 +9117,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:220)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 66);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 63);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 65);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 62);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -9227,7 +9146,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:222)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -9235,11 +9154,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 67);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 64);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:221)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:226)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -9248,8 +9167,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
     const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(69, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(70, nred_f3);
+    float* const red0_f3 = coconet::cuda::scratch<float>(66, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(67, nred_f3);
   COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
   COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
@@ -9322,11 +9241,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
     auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
     auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 568, reduce_to, compute_keep, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 544, reduce_to, compute_keep, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 68);
+    coconet::cuda::join(sctx.stream, ctx.stream, 65);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -9503,8 +9422,6 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [backward] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wv (gpt_block.ccn)
@@ -9513,8 +9430,6 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   // [backward] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wk (gpt_block.ccn)
@@ -9527,40 +9442,25 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [backward] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [backward] kernel: g_n1_part4 (gpt_block.ccn)
+  // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
-        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
-        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
-        coconet::cuda::Vec<float, 4> out_g_n1_part4;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
-          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
-        }
-        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
-      }
-    });
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 69);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    }
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 70);
   }
   // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   // kernel d_x: the epilogue of the layernorm_dx above
@@ -11858,35 +11758,29 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_n1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -12006,12 +11900,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -12021,11 +11915,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 34);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 31);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 35);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 32);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -12230,8 +12124,6 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
@@ -12240,8 +12132,6 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
@@ -12254,40 +12144,25 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [overlapped] kernel: g_n1_part4 (gpt_block.ccn)
+  // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
-        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
-        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
-        coconet::cuda::Vec<float, 4> out_g_n1_part4;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
-          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
-        }
-        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
-      }
-    });
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
+      coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+    }
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
   }
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   // kernel d_x: the epilogue of the layernorm_dx above
@@ -12411,26 +12286,26 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
-  // [default] layernorm n1s (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] matmul qm (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12474,23 +12349,23 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [default] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12534,14 +12409,14 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [default] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [default] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:127)
+  // [default] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12612,9 +12487,9 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:128)
+  // [default] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:129)
+  // [default] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12668,15 +12543,15 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [default] matmul ap (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [default] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:133)
+  // [default] kernel: x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12723,13 +12598,13 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:134)
+  // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:136)
+  // [default] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:137)
+  // [default] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12771,11 +12646,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:138)
+  // [default] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:139)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:141)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:140)
+  // [default] kernel: y (gpt_block.ccn:142)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12932,26 +12807,26 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
-  // [fused] layernorm n1s (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  // [fused] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12995,23 +12870,23 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [fused] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [fused] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [fused] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13055,14 +12930,14 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [fused] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [fused] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:127)
+  // [fused] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13133,9 +13008,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] softmax p (gpt_block.ccn:128)
+  // [fused] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:129)
+  // [fused] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13189,13 +13064,13 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [fused] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13274,9 +13149,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:136)
+  // [fused] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:137)
+  // [fused] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13318,9 +13193,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:138)
+  // [fused] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13499,26 +13374,26 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:121)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13562,23 +13437,23 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13622,14 +13497,14 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:127)
+  // [overlapped] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13700,9 +13575,9 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:128)
+  // [overlapped] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:129)
+  // [overlapped] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13756,11 +13631,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13772,7 +13647,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:156)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:158)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13855,9 +13730,9 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:136)
+  // [overlapped] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:137)
+  // [overlapped] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13899,7 +13774,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:161)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13911,7 +13786,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:158)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:160)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14094,21 +13969,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -14122,7 +13997,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14166,23 +14041,23 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14226,14 +14101,14 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:127)
+  // [overlapped_both] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14304,9 +14179,9 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:128)
+  // [overlapped_both] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:129)
+  // [overlapped_both] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14360,11 +14235,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:132)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:171)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:173)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14384,7 +14259,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:170)
+  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:172)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14468,7 +14343,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 17);
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:137)
+  // [overlapped_both] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14510,7 +14385,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:174)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:176)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14522,7 +14397,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:173)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:175)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14799,10 +14674,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -14813,17 +14688,17 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [default] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:127)
+  // [default] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] reshape k_reshape (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [default] reshape v_reshape (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [default] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [default] kernel: h_add (gpt_block.ccn:137)
+  // [default] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [default] kernel: h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15357,41 +15232,35 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_n1s = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t5_d_x = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(40, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(37, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(41, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(38, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -15406,10 +15275,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -15420,17 +15289,17 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [backward] reshape qm_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:125)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:127)
+  // [backward] reshape qm_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] reshape k_reshape (gpt_block.ccn:126)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  // [backward] reshape v_reshape (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [backward] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:131)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
-  // [backward] kernel: h_add (gpt_block.ccn:137)
+  // [backward] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [backward] kernel: h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15495,16 +15364,16 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:220)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 43);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 40);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 42);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 39);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -15524,7 +15393,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:222)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -15532,11 +15401,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 44);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 41);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:221)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:226)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -15545,8 +15414,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
     const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(46, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(47, nred_f3);
+    float* const red0_f3 = coconet::cuda::scratch<float>(43, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(44, nred_f3);
   COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
   COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
@@ -15619,11 +15488,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
     auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
     auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 384, reduce_to, compute_keep, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 360, reduce_to, compute_keep, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 45);
+    coconet::cuda::join(sctx.stream, ctx.stream, 42);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -15800,8 +15669,6 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [backward] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wv (gpt_block.ccn)
@@ -15810,8 +15677,6 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   // [backward] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wk (gpt_block.ccn)
@@ -15824,40 +15689,25 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   // [backward] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [backward] kernel: g_n1_part4 (gpt_block.ccn)
+  // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
-        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
-        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
-        coconet::cuda::Vec<float, 4> out_g_n1_part4;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
-          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
-        }
-        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
-      }
-    });
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 46);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    }
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 47);
   }
   // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   // kernel d_x: the epilogue of the layernorm_dx above
