@@ -242,7 +242,7 @@ class _Deriver:
             detail = f"({ops.attr(e, 'op')})" if any(k == "op" for k, _ in e.attrs) else ""
             raise CompileError.at(span, f"'{e.op}{detail}' has no derivative (yet): cannot differentiate through it")
         for arg, c, per_rank in rule(self, e, Ref(s.name, e.type), g):
-            if c is not None and isinstance(arg, Ref) and arg.name in self.active:
+            if c is not None and isinstance(arg, Ref) and arg.name in self.active and not _times_zero(c):
                 self.add(arg.name, c, e.type.layout == LOCAL if per_rank is None else per_rank, span)
 
     def add(self, name: str, c: Expr, per_rank: bool, span: Span) -> None:
@@ -512,6 +512,15 @@ def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
 
+
+
+def _times_zero(c: Expr) -> bool:
+    """Is contribution c a product with a literal 0 (the cotangent of `0.0 * w`, the beta of a
+    layernorm without a bias: frontend/checker.py)? It adds nothing, so it is left out, and what
+    only it read (the beta's gradient: a sum over rows, under sequence parallelism an all-reduce)
+    is never computed. (An inf or NaN cotangent times 0 would be NaN; the literal says the value
+    does not depend on w.)"""
+    return isinstance(c, Op) and c.op == "mul" and any(isinstance(a, Const) and a.value == 0 for a in c.args)
 
 RULES: dict[str, Rule] = {
     "add": lambda d, e, y, g: [(e.args[0], g, None), (e.args[1], g, None)],

@@ -368,7 +368,24 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
         attrs["site"] = site
     if call.fn == "segment_norm":
         _check_segmented(call, args[0], ctx)
+    if call.fn == "layernorm":
+        args = _layernorm_beta(args)
     return _op(d.name, tuple(args), attrs, call.span)
+
+
+def _layernorm_beta(args: list[ir.Expr]) -> list[ir.Expr]:
+    """layernorm(x, w, 0.0, eps), a layernorm without a bias (nanoGPT's bias=False, torch's
+    bias=None): a 0-d beta b with w of x's last dim is typed as the [H] beta `b * w` for a literal
+    0 (`0.0 * w`), else `b + 0.0 * w`: the kernels read an [H] beta, and the derivation adds
+    nothing to w's gradient for a product with a literal 0 (autodiff/vjp.py, `back`)."""
+    x, w, b, eps = args
+    if b.type.shape != () or w.type.shape != x.type.shape[-1:] or b.type.dtype == "bool":
+        return args
+    span = b.span
+    zero = ir.Const(0.0, scalar_type("f32"), span)
+    if isinstance(b, ir.Const) and b.value == 0:
+        return [x, w, _op("mul", (zero, w), {}, span), eps]
+    return [x, w, _op("add", (b, _op("mul", (zero, w), {}, span)), {}, span), eps]
 
 
 def _arguments(call: syntax.Call, d: ops.OpDef, ctx: _Ctx) -> tuple[list[ir.Expr], dict[str, object]]:

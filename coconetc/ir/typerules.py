@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from coconetc.errors import CompileError, Diagnostic, Span
-from coconetc.ir.expr import Const, Expr, Ref
+from coconetc.ir.expr import Const, Expr
 from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op, eval_dim,
                                sliced)
 
@@ -214,13 +214,8 @@ def layernorm(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TTyp
     if t.ndim < 1:
         raise TypeErr(span, "layernorm needs a tensor")
     for g in (gamma, beta):
-        if g.type.shape != t.shape[-1:]:
-            hint = ""
-            if g is beta and g.type.shape == () and gamma.type.shape == t.shape[-1:]:  # (no bias meant)
-                zeros = f"0.0 * {gamma.name}" if isinstance(gamma, Ref) else "0.0 * gamma"
-                hint = (f"; a layernorm without a bias (nanoGPT's bias=False) takes a beta of zeros of that "
-                        f"shape: `{zeros}`")
-            raise TypeErr(g.span or span, f"layernorm's gamma/beta must have shape [{t.shape[-1]}]{hint}")
+        if g.type.shape != t.shape[-1:]:  # (a 0-d beta, no bias, is typed as one: frontend/checker.py)
+            raise TypeErr(g.span or span, f"layernorm's gamma/beta must have shape [{t.shape[-1]}]")
         if g.type.layout != REPLICATED:
             raise TypeErr(g.span or span, "layernorm's gamma/beta must be replicated")
     if eps.type.shape != ():
