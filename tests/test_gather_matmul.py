@@ -93,7 +93,12 @@ program q(x: f32[B, S, H] sliced(1), w: f32[H, F] sliced(1), v: f32[F, H] sliced
      "of such stages that nothing else reads, or an allgather or a broadcast whose result a matmul reads"),
 ])
 def test_bad_overlaps_are_located_errors(directive, where, message):
-    src = BAD + f"schedule s for q {{\n    {directive}\n}}\n"
+    _refused_at(BAD, directive, where, message)
+
+
+def _refused_at(program: str, directive: str, where: str, message: str) -> None:
+    """`schedule s for q { DIRECTIVE }` after PROGRAM is refused with MESSAGE at WHERE."""
+    src = program + f"schedule s for q {{\n    {directive}\n}}\n"
     with pytest.raises(CompileError) as err:
         load_source(src, "t.ccn")
     d = err.value.diagnostics[0]
@@ -127,13 +132,7 @@ def test_a_sum_of_matmuls_overlaps_along_its_rows_only(directive, where, message
     """A producer that is a sum of GEMM stages (Program.summed_gemms) is chunked along dim 0, and
     only where nothing else reads its terms (they are computed inside the overlap, into its rows).
     The advice is accepted."""
-    src = SUMS + f"schedule s for q {{\n    {directive}\n}}\n"
-    with pytest.raises(CompileError) as err:
-        load_source(src, "t.ccn")
-    d = err.value.diagnostics[0]
-    assert message in d.message, d.message
-    line = src.splitlines()[d.span.line - 1]
-    assert line[d.span.col - 1:].startswith(where), (line, d.span)
+    _refused_at(SUMS, directive, where, message)
     if good is not None:
         from coconetc.plan.show import show as show_plan
         ok = load_source(SUMS + f"schedule s for q {{\n    {good}\n}}\n", "t.ccn")
