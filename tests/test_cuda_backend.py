@@ -250,11 +250,19 @@ def test_the_emitted_cmake_project_builds(tmp_path):
 
 # sgd.ccn is built the other way: by CMake from what --emit-only writes (the test above)
 DIRECT = [p for p in EXAMPLES if p.name != "sgd.ccn"]
+# Built whole (host code and device code by nvcc, linked against the wheels): the symmetric-memory
+# optimizer (adam), bf16 (mixed_adam_bf16) and the tensor-parallel MLP with cuBLAS (tp_mlp, which
+# test_gpu_script reads too). The other examples' device code goes through nvcc alone
+# (test_every_examples_device_code_compiles_with_nvcc, a third of a whole build): their host
+# code is what the host emulation compiles and runs (test_cuda_emulate.py), and the runtime's
+# calls of CUDA, NCCL and cuBLAS are compiled here and by the other whole builds (test_cuda_gaps,
+# test_gather_matmul, test_block_ops, test_epilogue_cuda, the CMake project above).
+WHOLE = [p for p in DIRECT if p.name in ("adam.ccn", "mixed_adam_bf16.ccn", "tp_mlp.ccn")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", DIRECT, ids=[p.name for p in DIRECT])
-def test_every_example_compiles_and_links_with_nvcc(path):
+@pytest.mark.parametrize("path", WHOLE, ids=[p.name for p in WHOLE])
+def test_examples_compile_and_link_with_nvcc(path):
     why = probes.cuda_missing()
     if why:
         print(f"skipped: {why}")
@@ -266,13 +274,36 @@ def test_every_example_compiles_and_links_with_nvcc(path):
     assert "libnccl.so.2" in ldd and "not found" not in ldd, ldd
 
 
+DEVICE = [p for p in DIRECT if p not in WHOLE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", DEVICE, ids=[p.name for p in DEVICE])
+def test_every_examples_device_code_compiles_with_nvcc(path, tmp_path):
+    """The example's module.cu through nvcc with the build's options, device code only (--cubin:
+    every kernel and every __device__ function it calls compiled for sm_90, the host code parsed
+    by nvcc's front end for the device side only)."""
+    why = probes.cuda_missing()
+    if why:
+        print(f"skipped: {why}")
+        pytest.skip(why)
+    from coconetc.toolchain import commands
+    art = toolchain.compile(load_file(path), "cuda", toolchain.Options(build=False, archs=ARCHS))
+    (cu,) = [f for f in art.write_sources(tmp_path) if f.name == "module.cu"]
+    headers = (str(path.parent),)  # (extern_ops.ccn's own headers, as a build searches the file's folder)
+    cmd = [*commands.cuda_flags(f"{ARCHS}-real", headers), "--cubin", "-o", str(tmp_path / "module.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (tmp_path / "module.cubin").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_the_symmetric_kernel_keeps_no_stack_frame(tmp_path):
     """ptxas's report of the symmetric-memory kernel (adam zero and fused, sm_90): no local memory.
     Its caller windows inside the SymThread the kernel modifies, indexed at run time, once made
     every thread copy a 632-byte frame into local memory before any work (docs/cuda.md). The
     module's device code only (nvcc --cubin with the build's options: no host compile, no
-    binding, no link; the build itself is test_every_example_compiles_and_links_with_nvcc's)."""
+    binding, no link; the build itself is test_examples_compile_and_link_with_nvcc's)."""
     why = probes.cuda_missing()
     if why:
         print(f"skipped: {why}")
