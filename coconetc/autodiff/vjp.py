@@ -513,7 +513,6 @@ def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
 
 
-
 def _times_zero(c: Expr) -> bool:
     """Is contribution c a product with a literal 0 (the cotangent of `0.0 * w`, the beta of a
     layernorm without a bias: frontend/checker.py)? It adds nothing, so it is left out, and what
@@ -521,6 +520,7 @@ def _times_zero(c: Expr) -> bool:
     is never computed. (An inf or NaN cotangent times 0 would be NaN; the literal says the value
     does not depend on w.)"""
     return isinstance(c, Op) and c.op == "mul" and any(isinstance(a, Const) and a.value == 0 for a in c.args)
+
 
 RULES: dict[str, Rule] = {
     "add": lambda d, e, y, g: [(e.args[0], g, None), (e.args[1], g, None)],

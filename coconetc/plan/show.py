@@ -136,7 +136,7 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
                 f"({how}) -> {u.consumer} = {u.gemm}({u.a}, {u.b}) per chunk, as it arrives"]
     assert isinstance(u, Overlap)
     how = "rows in place" if u.direct else "each chunk packed"
-    gemms = " + ".join(f"{g}({a}, {b})" for g, a, b in ((u.gemm, u.a, u.b), *((t.gemm, t.a, t.b) for t in u.terms)))
+    gemms = " + ".join(f"{t.gemm}({t.a}, {t.b})" for t in u.gemms)
     head = (f"{ind}{_at(u.line)} overlap {u.producer} = {gemms} in {u.chunks} chunks along "
             f"dim {u.dim} ({how}){'' if u.keep_producer else ' (not kept)'} -> ")
     if u.fused is None:

@@ -336,6 +336,11 @@ class Overlap:
     then: GatherMatmul | None = None  # the matmul fed by the fused collective's gather, chunk by chunk
     terms: tuple[Term, ...] = ()  # the further GEMMs of a producer that is their sum
 
+    @property
+    def gemms(self) -> tuple[Term, ...]:
+        """Every GEMM of a chunk, in order: the producer's (a sum's first) and its terms."""
+        return (Term(self.gemm, self.a, self.b), *self.terms)
+
 
 @dataclass(frozen=True)
 class Term:
@@ -516,7 +521,7 @@ def _touches(u: Unit, names: set[str]) -> bool:
             any(_item_touches(i, names) for ph in u.phases for i in ph.items) or \
             any(_touches(a, names) for a in u.after)
     if isinstance(u, Overlap):
-        return bool({u.producer, u.a, u.b, u.collective, *(n for t in u.terms for n in (t.a, t.b))} & names) or \
+        return bool({u.producer, u.collective, *(n for t in u.gemms for n in (t.a, t.b))} & names) or \
             (u.fused is not None and _touches(u.fused, names)) or (u.then is not None and _touches(u.then, names))
     if isinstance(u, GatherMatmul):
         return bool({u.gather.src, u.gather.dst, u.consumer, u.b} & names)

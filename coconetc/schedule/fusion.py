@@ -379,12 +379,11 @@ def overlap(p: Program, d: OverlapD) -> Program:
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer is already overlapped")
     dims = _chunkable(prod, first, coll)
     dim = dims[0] if d.dim is None and dims else d.dim
+    at = span_of(d, "dim=" if d.dim is not None else d.consumer)
     if dim not in dims:
-        at = span_of(d, "dim=" if d.dim is not None else d.consumer)
         raise ScheduleError(at, "overlap", d.consumer, f"cannot chunk along dim {dim}; "
                             f"chunkable dims: {', '.join(map(str, dims)) or 'none'}")
     if terms and dim != 0:
-        at = span_of(d, "dim=" if d.dim is not None else d.consumer)
         advice = (f"overlap({d.producer}, {d.consumer}, chunks={d.chunks})" if 0 in dims
                   else "dim 0 cannot be chunked here: remove this overlap")
         raise ScheduleError(at, "overlap", d.consumer, f"a sum of matmuls ('{d.producer}') is chunked along its rows "

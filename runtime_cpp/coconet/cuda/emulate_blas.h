@@ -24,14 +24,11 @@ void gemm_colmajor(cudaStream_t s, bool ta, bool tb, int m, int n, int k, const 
   strided(spans, A, ta ? m : k, ta ? k : m, lda, sizeof(T), false);
   strided(spans, C, n, m, ldc, sizeof(T), true);
   op(s, std::move(spans), "cublasGemmEx", [=] {
-    if (accumulate)
-      coconet::gemm_trans<T>(tb, ta, n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda,
-                             static_cast<T*>(C), ldc, true);
-    else if (!ta && !tb)
+    if (!ta && !tb && !accumulate)
       coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda, static_cast<T*>(C), ldc);
     else
       coconet::gemm_trans<T>(tb, ta, n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda,
-                             static_cast<T*>(C), ldc);
+                             static_cast<T*>(C), ldc, accumulate);
   });
 }
 }  // namespace emu
