@@ -32,6 +32,18 @@ def build_cache(request) -> Iterator[Path]:
             os.environ[probes.ENV_CACHE] = old
 
 
+def shared_file(request, folder: str, name: str, text: str) -> Path:
+    """TEXT at one path for every pytest worker (pytest's cache folder FOLDER, file NAME): a module
+    is named and cached by its file, so every test and every rank loading it builds it once.
+    Written atomically, and only when it differs (another worker may be writing the same text)."""
+    f = request.config.cache.mkdir(folder) / name
+    if not f.exists() or f.read_text() != text:
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, f)
+    return f
+
+
 def launch(capfd, worker: Path, ranks: int, *args: str, timeout: float = 500) -> tuple[int, list[str], str]:
     """Run `python WORKER ARGS` on R ranks: (exit code, stdout lines, a log for assertion messages)."""
     rc = run_python(ranks, [str(worker), *args], timeout=timeout)

@@ -23,7 +23,6 @@ process, float64):
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rank_checks import joined, rank_parts
+from rank_checks import joined, rank_parts, shared_file
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
@@ -320,13 +319,7 @@ def f64_file(request) -> Path:
     """The f64 example at one path for every compiled test here (a module is
     named and cached by its file): the CPU jobs, the CUDA emulation and coconetc.torch.function
     load the same modules, one for each program with its derived programs."""
-    folder = request.config.cache.mkdir("gpt-block-f64")
-    f, text = folder / "gpt_block.ccn", _f64()
-    if not f.exists() or f.read_text() != text:  # (another worker may be writing the same text)
-        tmp = folder / f"gpt_block.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, f)
-    return f
+    return shared_file(request, "gpt-block-f64", "gpt_block.ccn", _f64())
 
 
 def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:

@@ -22,13 +22,12 @@ all on B=2, S=7, H=24 with 6 heads of 4 (3 + 3 heads on 2 ranks, 2 + 2 + 2 on 3;
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from rank_checks import joined, rank_parts
+from rank_checks import joined, rank_parts, shared_file
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
@@ -161,11 +160,7 @@ def built(request):
         if name not in JOBS[f"{grad}_grad" if grad else fwd]:
             text = re.sub(rf"^schedule {name} for {re.escape(f'grad({grad})' if grad else fwd)} \{{.*?^\}}\n", "",
                           text, flags=re.M | re.S)
-    f = request.config.cache.mkdir("gpt-variants") / FILE.name
-    if not f.exists() or f.read_text() != text:  # (another worker may be writing the same text)
-        tmp = f.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, f)
+    f = shared_file(request, "gpt-variants", FILE.name, text)
     coconetc.load(f, log=lambda msg: None, grad=tuple(PROGRAMS))
     return f
 
