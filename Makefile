@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) bench/gpt_block.py --sdpa
 	$(PY) bench/attention_cpu.py
 	$(PY) bench/call_overhead.py
+	$(PY) bench/warm_load.py
 	$(PY) bench/collectives.py
 	$(PY) bench/train_step.py --size 3M
 	$(PY) bench/train_step.py --size 10M

@@ -77,7 +77,7 @@ import coconetc
 mod = coconetc.load(sys.argv[1], log=print)  # a build would log
 w = np.ones(6, dtype=np.float32)
 mod.sgd_warm(g=np.arange(6, dtype=np.float32), w=w, lr=np.float32(0.5))
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("lark", "jinja2") or m.startswith((
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("lark", "jinja2", "ml_dtypes") or m.startswith((
     "coconetc.codegen", "coconetc.frontend", "coconetc.sourcefile", "coconetc.schedule", "coconetc.autodiff",
     "coconetc.plan.planner", "coconetc.toolchain.compiler", "coconetc.interp", "coconetc.tune")))
 print(json.dumps({"heavy": heavy, "w": w.tolist(), "schedules": sorted(mod.sgd_warm.schedules)}))
@@ -87,7 +87,7 @@ print(json.dumps({"heavy": heavy, "w": w.tolist(), "schedules": sorted(mod.sgd_w
 def test_warm_load_in_a_fresh_process_imports_no_front_end_or_generator(sgd):
     """A warm load, and a call, in a fresh process import neither the parser (lark) nor the code
     generators (jinja2, coconetc.codegen) nor the rest of the front half: the record holds what
-    the calls read."""
+    the calls read; nor ml_dtypes, which only bf16 values need (ir/storage.py)."""
     warm._python_hash.cache_clear()  # the record under the sources as they are now, as the
     warm.compiler_hash.cache_clear()  # fresh process will hash them (they may have been edited since)
     coconetc.load(sgd, log=lambda msg: None)
