@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -131,6 +132,34 @@ def test_manifest_covers_the_units(tmp_path: Path) -> None:
     assert len(calls) == 3 and unit.exists() and artifacts.verified(out, "m") == so
 
 
+def test_a_cached_object_is_reused_only_while_it_matches_its_record(tmp_path: Path) -> None:
+    """What every build reuses from the objects cache (a unit's object and shared object, the
+    bindings' objects, the runtime library, the precompiled header: cached_object) is compiled
+    again when it is truncated, edited to the same size, or has no record (a build killed
+    between the object and its record, a cache from before records)."""
+    calls: list[str] = []
+
+    def compile_(src: Path, obj: Path) -> None:
+        calls.append(src.read_text())
+        obj.write_bytes(b"\x7fELF" + src.read_text().encode() * 100)
+
+    def get() -> Path:
+        return artifacts.cached_object(tmp_path, "k", ".cpp", "text", compile_, product=".so")
+
+    obj = get()
+    assert obj == tmp_path / "k.so" and len(calls) == 1 and obj.stat().st_size == 404
+    assert get() == obj and len(calls) == 1  # reused
+    with open(obj, "r+b") as f:
+        f.truncate(100)
+    assert get() == obj and len(calls) == 2 and obj.stat().st_size == 404
+    obj.write_bytes(b"\x7fELF" + b"txet" * 100)  # the same size, other bytes
+    get()
+    assert len(calls) == 3 and obj.read_bytes().endswith(b"text")
+    (tmp_path / "k.so.sum").unlink()
+    get()
+    assert len(calls) == 4 and get() == obj and len(calls) == 4
+
+
 def test_a_killed_builds_folder_is_swept(tmp_path: Path) -> None:
     out = tmp_path / "m"
     old, new = out / ".build-old", out / ".build-new"
@@ -192,17 +221,63 @@ def _fresh(name: str) -> str:
     return f"{name}_{uuid.uuid4().hex[:12]}"
 
 
+HEAL = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import coconetc
+    said = []
+    mod = coconetc.load(sys.argv[1], log=said.append)
+    for schedule in mod.sgd_heal.schedules:
+        g, w = np.arange(6, dtype=np.float32), np.ones(6, dtype=np.float32)
+        mod.sgd_heal(g=g, w=w, lr=np.float32(0.5), schedule=schedule)
+        assert np.allclose(w, 1 - 0.5 * np.arange(6)), w
+    print("BUILT" if said else "CACHED")
+""")
+
+HEALED = {"shared objects (module, units, runtime library)": (".so",), "objects (units, Python binding)": (".o",),
+          "precompiled header": (".gch",)}
+
+
+@pytest.fixture(scope="module")
+def sgd_cache(tmp_path_factory) -> tuple[Path, Path]:
+    """(a build cache of its own, examples/sgd.ccn built into it): the test below truncates what is in it, so no other test loads from it (a cache cannot be
+    copied: its manifests and records name their files by absolute paths)."""
+    if probes.missing_cpu_extra():
+        pytest.skip("no cpu extra")
+    root = tmp_path_factory.mktemp("heal")
+    cache, first = root / "cache", root / "sgd.ccn"
+    first.write_text((REPO / "examples" / "sgd.ccn").read_text().replace("sgd", "sgd_heal"))
+    assert _heal(cache, first) == "BUILT"
+    return cache, first
+
+
+def _heal(cache: Path, file: Path) -> str:
+    env = {**os.environ, probes.ENV_CACHE: str(cache)}
+    res = subprocess.run([sys.executable, "-c", HEAL, str(file)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.strip()
+
+
 @pytest.mark.slow
-def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> None:
-    """A truncated cached module (a build or copy cut short) is detected and built again,
-    instead of `ImportError ... cannot read file data` on every load from then on."""
-    name = _fresh("trunc")
-    path = _program(tmp_path, name, 1.0)
-    assert _done(_load(path, 1.0, cache_env)) == "BUILT"
-    [so] = Path(cache_env[probes.ENV_CACHE]).glob(f"ccn_{name}_*/build/*.so")
-    so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
-    assert _done(_load(path, 1.0, cache_env)) == "BUILT"
-    assert _done(_load(path, 1.0, cache_env)) == "CACHED"
+def test_the_cache_heals_every_artifact_it_reuses(sgd_cache) -> None:
+    """For each kind of cached file in turn, every one truncated to 100 bytes, and the module's
+    .so with them (so that the load builds the module again, reusing what the objects cache
+    holds: the units' objects and shared objects, the binding, the runtime library, the
+    precompiled header): the next load builds again what it needs and runs, every truncated
+    file is whole again, and the load after it builds nothing. (The runtime library's truncated copy used to be linked as
+    found: `file too short`.)"""
+    cache, first = sgd_cache
+    [module] = cache.glob("ccn_sgd_*/build/*.so")
+    for kind, suffixes in HEALED.items():
+        cut = [p for p in cache.rglob("*") if p.is_file() and p.suffix in suffixes]
+        assert cut, f"no {kind} in the cache"
+        for p in {*cut, module}:
+            with open(p, "r+b") as f:
+                f.truncate(100)
+        assert _heal(cache, first) == "BUILT", kind
+        assert all(p.stat().st_size > 100 for p in cut), (kind, [p for p in cut if p.stat().st_size <= 100])
+    assert _heal(cache, first) == "CACHED"  # healed once, then reused
 
 
 LAZY = textwrap.dedent("""

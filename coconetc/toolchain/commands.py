@@ -155,7 +155,8 @@ def cpu_units(name: str, src: cpu.Sources, key_parts: list[str], libs: Libs, lib
     unit on its function's first call (runtime_cpp/coconet/entries.h). The module and every unit
     link the runtime library (cpu_runtime), so the process holds one runtime state however many
     units it maps (runtime_cpp/coconet/state.h). The units' shared objects are listed in
-    UNITS_FILE of the build folder, for the module's manifest (artifacts.py). key_parts: what
+    UNITS_FILE of the build folder and the runtime library in LIBRARIES_FILE, for the module's
+    manifest (artifacts.py). key_parts: what
     every object depends on besides its text (the compiler, the runtime headers, the tools);
     libs_key: the extern libraries' (their headers, for the units)."""
     def run(out: Path, build: Path, log: Log | None) -> None:
@@ -170,6 +171,7 @@ def cpu_units(name: str, src: cpu.Sources, key_parts: list[str], libs: Libs, lib
         build.mkdir(parents=True, exist_ok=True)
         artifacts.write_atomic(build / "table.cpp", cpu.lazy_table(src, units))
         artifacts.write_atomic(build / artifacts.UNITS_FILE, "\n".join(units.values()))
+        artifacts.write_atomic(build / artifacts.LIBRARIES_FILE, str(library))
         module = [*cmd, "-shared", str(build / "table.cpp"), str(binding), "-o", str(build / f"{name}.so"),
                   *_runtime_link(library), *_blas(), "-Wl,-Bsymbolic-functions"]
         _steps([("linking", module)], out / "module.cpp", log, quiet=True)
