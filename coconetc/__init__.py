@@ -25,7 +25,11 @@ def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), lib
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
     is searched for headers too). grad: the names of programs (or one name) whose derived
     programs the module holds too: `<p>_grad`, `<p>_fwd`, `<p>_bwd` (docs/autodiff.md).
-    With COCONET_CUDA_EMULATE=1, backend="cuda" builds for the host emulation (CPU tensors)."""
+    With COCONET_CUDA_EMULATE=1, backend="cuda" builds for the host emulation (CPU tensors).
+    PATH may name an example program that ships with coconet by its file name alone (no such
+    file here): "adamw.ccn", "lamb.ccn", "tp_mlp.ccn" (coconetc.paths.examples_dir())."""
+    from coconetc.paths import source_path
+    path = source_path(path)  # a bare name may be an example's that ships with coconet
     grad = (grad,) if isinstance(grad, str) else tuple(grad)
     if backend == "cuda":
         from coconetc.runtime.cuda import load as _load_cuda

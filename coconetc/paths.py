@@ -1,8 +1,10 @@
-"""Where the data that ships with the compiler lives: the grammar and the C++ runtime.
+"""Where the data that ships with the compiler lives: the grammar, the C++ runtime and the
+example programs.
 
 An installed coconetc carries them as package data (coconetc/grammar, coconetc/runtime_cpp,
-mapped from the repository's top-level grammar/ and runtime_cpp/ by pyproject.toml); a source
-checkout (or an editable install) finds them at the top of the repository."""
+coconetc/examples, mapped from the repository's top-level grammar/, runtime_cpp/ and
+examples/ by pyproject.toml); a source checkout (or an editable install) finds them at the top
+of the repository."""
 
 from __future__ import annotations
 
@@ -24,3 +26,42 @@ def grammar_file() -> Path:
 
 def runtime_dir() -> Path:
     return _data_dir("runtime_cpp")
+
+
+def examples_dir() -> Path:
+    return _data_dir("examples")
+
+
+def source_path(path: str | Path) -> Path:
+    """The .ccn file PATH names: PATH itself, or, where no such file is here and PATH is a bare
+    name ("adamw.ccn" or "adamw"), the example program of that name that ships with coconet
+    (examples/: the optimizers adam, adamw, lamb, ..., the layers tp_mlp, gpt_block, ...), so
+    that `coconetc.load("adamw.ccn")` or `DistributedOptimizer(params, "adamw.ccn", ...)` works
+    after a pip install, from any directory."""
+    p = Path(path)
+    if p.exists() or len(p.parts) != 1:
+        return p
+    for name in (p.name, f"{p.name}.ccn"):
+        try:
+            shipped = examples_dir() / name
+        except FileNotFoundError:
+            return p
+        if name.endswith(".ccn") and shipped.is_file():
+            return shipped
+    return p
+
+
+def install_command(extra: str) -> str:
+    """The pip command that installs what the EXTRA of coconet's package (pyproject.toml's
+    optional dependencies: "cpu", "cuda", ...) brings, package by package, read from the
+    installed package's metadata: it works wherever coconet was installed from (a checkout, a
+    wheel), unlike `pip install 'coconet[cpu]'`, which asks a registry that has no coconet."""
+    import re
+    from importlib import metadata
+    try:
+        reqs = metadata.requires("coconet") or []
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return f"pip install '.[{extra}]' (in a coconet checkout)"
+    mine = [r.split(";")[0].strip() for r in reqs
+            if re.search(rf"""extra\s*==\s*["']{re.escape(extra)}["']""", r.partition(";")[2])]
+    return "pip install " + " ".join(f"'{r}'" for r in mine) if mine else f"pip install '.[{extra}]'"

@@ -44,10 +44,13 @@ def test_pip_install_and_check_from_elsewhere(tmp_path: Path) -> None:
     shutil.copy(REPO / "examples" / "adam.ccn", work / "adam.ccn")
 
     where = _run(py, "-c", "import coconetc, coconetc.paths as p; print(coconetc.__file__); "
-                 "print(p.grammar_file()); print(p.runtime_dir())", cwd=work).stdout.split()
+                 "print(p.grammar_file()); print(p.runtime_dir()); print(p.source_path('adamw.ccn'))",
+                 cwd=work).stdout.split()
     site = str(venv)
     assert all(w.startswith(site) for w in where), where
     assert (Path(where[1])).is_file() and any((Path(where[2]) / "coconet").glob("*.h"))
+    # the example programs ship: a pip user passes AdamW's by its name
+    assert Path(where[3]).name == "adamw.ccn" and "program adamw" in Path(where[3]).read_text()
 
     res = subprocess.run([coconetc, "check", "adam.ccn"], cwd=work, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -71,3 +74,17 @@ def test_every_package_is_listed_in_pyproject() -> None:
     found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "coconetc").rglob("__init__.py")}
     missing = sorted(found - listed)
     assert not missing, f"packages missing from pyproject.toml: {missing}"
+
+
+def test_a_bare_name_finds_a_shipped_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """coconetc.load("adamw.ccn") and DistributedOptimizer(params, "adamw.ccn") from a directory
+    with no such file take the example that ships with coconet (paths.source_path); a file of
+    that name here, or a path with a directory, is taken as it is."""
+    from coconetc.paths import source_path
+    monkeypatch.chdir(tmp_path)
+    shipped = REPO / "examples" / "adamw.ccn"
+    assert source_path("adamw.ccn") == shipped and source_path("adamw") == shipped
+    assert source_path("nowhere.ccn") == Path("nowhere.ccn")
+    assert source_path("sub/adamw.ccn") == Path("sub/adamw.ccn")
+    (tmp_path / "adamw.ccn").write_text("mine")
+    assert source_path("adamw.ccn") == Path("adamw.ccn")

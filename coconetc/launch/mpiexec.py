@@ -20,14 +20,19 @@ def mpiexec() -> str:
     named = os.environ.get(ENV_MPIEXEC)
     found = named or (str(here) if here.exists() else shutil.which("mpiexec"))
     if not found:
-        raise RuntimeError("coconetc: no mpiexec found (pip install 'coconet[cpu]' brings Open MPI)")
+        raise RuntimeError(f"coconetc: no mpiexec found ({_install_cpu()} brings Open MPI)")
     if not os.access(found, os.X_OK) or os.path.isdir(found):
         if named:
             raise RuntimeError(f"coconetc: {ENV_MPIEXEC}={found!r} is not an executable file: unset it to use "
                                "the mpiexec beside python or on the PATH")
         raise RuntimeError(f"coconetc: the mpiexec beside python, {found!r}, is not an executable file "
-                           "(reinstall: pip install 'coconet[cpu]'; or name another in COCONET_MPIEXEC)")
+                           f"(reinstall: {_install_cpu()}; or name another in COCONET_MPIEXEC)")
     return found
+
+
+def _install_cpu() -> str:
+    from coconetc.paths import install_command  # (a leaf too; only when there is an error to say)
+    return install_command("cpu")
 
 
 @cache

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from coconetc.paths import runtime_dir
+from coconetc.paths import install_command, runtime_dir
 
 ENV_CACHE = "COCONET_CACHE"  # where built modules live (default ~/.cache/coconet)
 ENV_VERBOSE = "COCONET_VERBOSE"  # 1: show cmake's output while building
 ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
 ENV_BUILD_JOBS = "COCONET_BUILD_JOBS"  # parallel jobs of a CUDA build (default 2)
-CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # what pip install 'coconet[cpu]' brings
+CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # the modules the 'cpu' extra brings (pyproject.toml)
 
 
 class BuildError(RuntimeError):
@@ -74,7 +74,7 @@ def _bin(name: str, extra: str = "cpu") -> str:
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
-        raise BuildError(f"coconetc: cannot find '{name}' (install the {extra} extra: pip install 'coconet[{extra}]')")
+        raise BuildError(f"coconetc: cannot find '{name}' (install the {extra} extra: {install_command(extra)})")
     return found
 
 
@@ -118,8 +118,7 @@ def require_cpu_extra() -> None:
     missing = missing_cpu_extra()
     if missing:
         raise BuildError(f"coconetc: the CPU backend needs the 'cpu' extra, which is not installed "
-                         f"(missing: {', '.join(missing)}); install it with: "
-                         "pip install 'coconet[cpu]'")
+                         f"(missing: {', '.join(missing)}); install it with: {install_command('cpu')}")
 
 
 def find_nvcc() -> str | None:
@@ -148,9 +147,9 @@ def cuda_missing() -> str | None:
     if find_nvcc() is None:
         return "no nvcc (set COCONET_NVCC or install the CUDA toolkit)"
     if wheel_dirs() is None:
-        return "no NCCL/cuBLAS/CUDA runtime wheels (pip install 'coconet[cuda]')"
+        return f"no NCCL/cuBLAS/CUDA runtime wheels ({install_command('cuda')})"
     if importlib.util.find_spec("pybind11") is None:
-        return "no pybind11 (pip install 'coconet[cuda]')"
+        return f"no pybind11 ({install_command('cuda')})"
     return None
 
 

@@ -14,13 +14,20 @@ import torch
 _LOADED: dict[tuple, Any] = {}
 
 
+def _shipped() -> list[str]:
+    from coconetc.paths import examples_dir
+    return sorted(p.name for p in examples_dir().glob("*.ccn"))
+
+
 def load(source: str | Path, grad: tuple[str, ...] = (), what: str = "DistributedOptimizer",
          backend: str = "cpu") -> Any:
     """coconetc.load, once per file and version of it, backend and derived programs (`grad`)
     in this process."""
-    path = Path(source).resolve()
+    from coconetc.paths import source_path
+    path = source_path(source).resolve()  # a bare name may be a shipped example's ("adamw.ccn")
     if not path.exists():
-        raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
+        raise FileNotFoundError(f"{what}: no such .ccn file: {source} (nor an example of that name "
+                                f"shipped with coconet: {', '.join(_shipped())})")
     from coconetc.runtime.backends import backend_for
     key = (str(path), path.stat().st_mtime, grad, backend_for(backend).name)
     if key not in _LOADED:
