@@ -14,7 +14,7 @@ _hooks.install()
 # fused_shm.h) use osc/sm. Read at MPI_Init, so it only helps when MPI starts after this import
 # (coconetc's launcher sets it for the ranks it starts).
 _hooks.quiet_osc_ucx()
-__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load"]
+__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load", "trace"]
 
 
 def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None, grad=()):
@@ -49,3 +49,13 @@ def empty(shape, dtype="f32", *, comm=None, framework="numpy"):
     buffer in place instead of copying it (coconetc/runtime/shm.py). Collective over COMM."""
     from coconetc.runtime.shm import empty as _empty
     return _empty(shape, dtype, comm=comm, framework=framework)
+
+
+def trace(folder="coconet_trace", max_events=None):
+    """A context manager: every call of a compiled module inside the block is traced, and at its
+    end each rank writes FOLDER/trace.rank<r>.json, a Chrome-trace/Perfetto file (each call, each
+    unit of its plan with its bytes, flops and predicted time, each chunk of an overlap or a
+    fused collective, each wait). COCONET_TRACE=FOLDER traces a whole process instead. At most
+    max_events events are kept (default 1,000,000, COCONET_TRACE_MAX_EVENTS). docs/tracing.md."""
+    from coconetc.runtime.trace import trace as _trace
+    return _trace(folder, max_events)

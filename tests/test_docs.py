@@ -5,7 +5,8 @@ Each fenced block is run by its info string, in the order of the page, from a te
 directory outside the checkout, with the `coconetc` of this Python first on PATH:
 
 - ```sh: run by `bash -e` (a failing command fails the block);
-- ```python: written to a file and run by this Python (one process: a job of one rank);
+- ```python (or ```python NAME, saved as NAME for the blocks after it): written to a file and
+  run by this Python (one process: a job of one rank);
 - ```ccn NAME: a whole .ccn file, written to NAME and checked (`coconetc check NAME`);
 - ```text: not run. Every such block is listed in EXEMPT below, with why; any other is an error.
 
@@ -68,7 +69,7 @@ def _run_block(page: Path, i: int, kind: str, arg: str, text: str, cwd: Path, en
     if kind == "sh":
         cmd = ["bash", "-e", "-c", text]
     elif kind == "python":
-        script = cwd / f"_{page.stem}_block{i}.py"
+        script = cwd / (arg or f"_{page.stem}_block{i}.py")  # ```python NAME: saved as NAME, for later blocks
         script.write_text(text)
         cmd = [sys.executable, script.name]
     elif kind == "ccn":
@@ -137,3 +138,12 @@ def test_relative_links_resolve() -> None:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+def test_the_tracing_page_runs_as_written(tmp_path: Path, doc_env: dict[str, str]) -> None:
+    """docs/tracing.md: a run on 2 ranks under COCONET_TRACE, its files merged; a traced block;
+    the files it says are there."""
+    _run_pages([REPO / "docs" / "tracing.md"], tmp_path, doc_env)
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["trace.json", "trace.rank0.json",
+                                                                       "trace.rank1.json"]
+    assert [p.name for p in (tmp_path / "traces_block").iterdir()] == ["trace.rank0.json"]

@@ -1,7 +1,7 @@
-"""The coconetc command: check, show, run, compile, launch, tune, explain. User errors print as
+"""The coconetc command: check, show, run, compile, launch, tune, explain, trace-merge. User errors print as
 diagnostics, without a Python traceback (--debug shows it).
 
-A file per command (check.py, show.py, run.py, compile.py, launch.py, tune.py, explain.py),
+A file per command (check.py, show.py, run.py, compile.py, launch.py, tune.py, explain.py, trace.py),
 and what they share: files.py (the .ccn file a command reads: loaded, its program, schedule
 labels, sizes, failing with a message) and options.py (the options several commands take:
 --backend and --emulate as a target, the tuning records' backend, -I/-L/-l, ranks under
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import click
 
-from coconetc.cli import check, compile, explain, launch, run, show, tune
+from coconetc.cli import check, compile, explain, launch, run, show, trace, tune
 from coconetc.cli.files import DEBUG
 
 __all__ = ["main"]
@@ -25,5 +25,6 @@ def main(debug: bool) -> None:
     DEBUG["on"] = debug
 
 
-for _command in (check.check, show.show, run.run, compile.compile, launch.launch, tune.tune, explain.explain):
+for _command in (check.check, show.show, run.run, compile.compile, launch.launch, tune.tune, explain.explain,
+                 trace.trace_merge):
     main.add_command(_command)

@@ -13,14 +13,16 @@ from typing import Protocol
 from coconetc.codegen.base import Function, Writer, prod
 from coconetc.codegen.emit import CTYPE
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Reduce, Require,
-                                 Unit)
+                                 Unit, title)
 
 
 def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None],
-             check: Callable[[Library], None] | None = None) -> Function:
+             check: Callable[[Library], None] | None = None, marks: bool = False) -> Function:
     """The function, laid out the same way by every backend: the size symbols, each buffer
     of the plan declared, the reshapes' checks where a unit computes into an output's memory
-    before its reshape would check the sizes (check(u): the backend's text), each unit rendered."""
+    before its reshape would check the sizes (check(u): the backend's text), each unit rendered.
+    marks: each unit between the trace's marks (coconet/trace.h: the unit's index in the plan,
+    which coconetc/runtime/trace.py names)."""
     for i, sym in enumerate(w.sig.sizes):
         w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
     for b in _declaration_order(w.plan.buffers):
@@ -30,8 +32,12 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
         for u in w.plan.units:
             if isinstance(u, Library) and u.op == "reshape":
                 check(u)
-    for u in w.plan.units:
+    for k, u in enumerate(w.plan.units):
+        if marks:
+            w.emit(f"coconet::trace::Unit trace_{k}({k});")
         unit(u)
+        if marks:
+            w.emit(f"trace_{k}.end();")
     comment = f"program {w.plan.program}, schedule {w.plan.schedule} ({w.file})"
     return Function(w.fn, comment, w.lines, w.sig)
 
@@ -100,32 +106,28 @@ class Renderer(Protocol):
 
 
 def unit(w: Writer, r: Renderer, u: Unit) -> None:
-    """One unit: its comment, then the backend's text for it."""
+    """One unit: its comment (but a copy's and a require's, which write their own), then the
+    backend's text for it."""
+    if not isinstance(u, (Copy, Require)):
+        w.comment(u.line, title(u, r.LOOP, r.COLLECTIVE))
     if isinstance(u, Loop):
-        w.comment(u.line, f"{r.LOOP}: {', '.join(i.name for i in u.items)}")
         r.loop(u)
     elif isinstance(u, Reduce):
-        w.comment(u.line, f"reduce {u.dst} = {u.op}({u.src})")
         r.reduce(u)
     elif isinstance(u, Library):
-        w.comment(u.line, f"{u.op} {u.dst}")
         r.library(u)
     elif isinstance(u, Collective):
-        w.comment(u.line, f"{u.op} {u.dst}{r.COLLECTIVE}")
         r.collective(u)
     elif isinstance(u, Copy):
         r.copy(u)
     elif isinstance(u, Require):
         r.require(u)
     elif isinstance(u, Fused):
-        w.comment(u.line, f"fused collective {u.name}: {', '.join(u.members)}")
         r.fused(u)
     elif isinstance(u, GatherMatmul):
-        w.comment(u.line, f"overlap {u.gather.op} {u.a} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})")
         r.gather_matmul(u)
     else:
         assert isinstance(u, Overlap)
-        w.comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")
         r.overlap(u)
 
 

@@ -526,3 +526,26 @@ def _touches(u: Unit, names: set[str]) -> bool:
     if isinstance(u, GatherMatmul):
         return bool({u.gather.src, u.gather.dst, u.consumer, u.b} & names)
     return False
+
+
+def title(u: Unit, loop: str = "loop", collective: str = "") -> str:
+    """What a unit is, in a line: its comment in the generated code (codegen/dispatch.py; loop,
+    collective: the backend's words) and its name in a trace (coconetc/runtime/trace.py)."""
+    if isinstance(u, Loop):
+        return f"{loop}: {', '.join(i.name for i in u.items)}"
+    if isinstance(u, Reduce):
+        return f"reduce {u.dst} = {u.op}({u.src})"
+    if isinstance(u, Library):
+        return f"{u.op} {u.dst}"
+    if isinstance(u, Collective):
+        return f"{u.op} {u.dst}{collective}"
+    if isinstance(u, Copy):
+        return f"copy {u.src} -> {u.dst} ({u.what})"
+    if isinstance(u, Require):
+        return f"require {u.op} root {u.root}"
+    if isinstance(u, Fused):
+        return f"fused collective {u.name}: {', '.join(u.members)}"
+    if isinstance(u, GatherMatmul):
+        return f"overlap {u.gather.op} {u.a} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})"
+    assert isinstance(u, Overlap)
+    return f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}"

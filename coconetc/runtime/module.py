@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
-from coconetc.runtime import layout, marshal, programs, shm
+from coconetc.runtime import layout, marshal, programs, shm, trace
 from coconetc.runtime.backends import BACKENDS
 from coconetc.runtime.entry import Call, enter
 from coconetc.runtime.fastpath import Recent, hot_check, run_hot
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.toolchain.probes import require_cpu_extra
+
+trace.from_environment()  # COCONET_TRACE=FOLDER: every call of this process traced
 
 if TYPE_CHECKING:  # (the front half is not imported to call a module: runtime/warm.py)
     from coconetc.sourcefile import SourceFile
@@ -69,6 +71,7 @@ class CompiledModule:
             fn = ProgramFunction(prog, scheds, ext, {s: exports.functions[(prog, s)] for s in scheds},
                                  exports.source)
             fn.file = exports.file
+            fn.whole = self._parts  # (a trace names the plan's units)
             return fn
         self.programs: dict[str, ProgramFunction] = programs.bind(self, exports.variants, make)
 
@@ -100,6 +103,7 @@ class ProgramFunction:
         self.functions = functions  # schedule -> its function in the module (as the generator named it)
         self.source = source  # the .ccn text (the tuning cache's key)
         self.file = "FILE"  # its path, for messages
+        self.whole: Callable[[], tuple[Any, Any]] | None = None  # (SourceFile, sources), on demand
         self.tuned: list | None = None  # the tuning records of this program (schedule="auto")
         self.auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see call.agreed)
@@ -175,7 +179,7 @@ class ProgramFunction:
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
         fast = self.recent.get(self.recent.slot(schedule, kwargs))
-        if fast is not None and fast.hot is not None and fast.config is not None:
+        if fast is not None and fast.hot is not None and fast.config is not None and trace.active() is None:
             # the hot path: the same NumPy buffers as an agreed call; one round of 64 bytes
             got = hot_check(fast.hot, comm, groups, kwargs)
             if got is not None:
@@ -225,4 +229,7 @@ class ProgramFunction:
             if fresh:
                 args.comm, args.groups, args.fused = MPI._handleof(comm), groups, call.label.code
         gs = comm.Get_size() // groups
+        if trace.active() is not None:
+            return trace.traced(self, call, lambda: programs.run(self, call, gs, comm.Get_rank() % gs,
+                                                                 marshal.numpy_empty, extra))
         return programs.run(self, call, gs, comm.Get_rank() % gs, marshal.numpy_empty, extra)

@@ -23,6 +23,7 @@ imports the rest of coconetc.torch: the Differentiable is an argument (duck-type
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from dataclasses import dataclass
@@ -108,6 +109,15 @@ def schema(f: Any) -> tuple[str, str]:
             _schema(f.back, len(f.back.outputs)))
 
 
+def profiled(fn: Any, schedule: str) -> Any:
+    """A range `coconet <program>[<schedule>]` around a call in torch.profiler's trace while a
+    profiler records (nothing otherwise: no cost to a call that is not profiled); the units
+    inside the call are in coconetc.trace's files (docs/tracing.md)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"coconet {fn.name}[{schedule}]")
+    return contextlib.nullcontext()
+
+
 def _register(name: str, f: Any, backend: str) -> Ops:
     p, back = f.program, f.back
     names = [q.name for q in p.params]
@@ -120,15 +130,16 @@ def _register(name: str, f: Any, backend: str) -> Ops:
     def forward_impl(*args: Any) -> Any:
         fwd, _, comm = f._functions(backend)
         kwargs = {n: a.detach() if isinstance(a, torch.Tensor) else a for n, a in zip(names, args)}
-        out = fwd(schedule=f.schedule, comm=comm, groups=f.groups, **kwargs)
-        return out
+        with profiled(fwd, f.schedule):
+            return fwd(schedule=f.schedule, comm=comm, groups=f.groups, **kwargs)
 
     def backward_impl(*args: Any) -> Any:
         _, bwd, comm = f._functions(backend)
         kwargs = {n: a.detach() if isinstance(a, torch.Tensor) else a for n, a in zip(bnames, args)}
         for c in f.cotangents:
             kwargs[c] = kwargs[c].contiguous()
-        return bwd(schedule=f.grad_schedule, comm=comm, groups=f.groups, **kwargs)
+        with profiled(bwd, f.grad_schedule):
+            return bwd(schedule=f.grad_schedule, comm=comm, groups=f.groups, **kwargs)
 
     fwd_op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward_impl, mutates_args=updated,
                                      schema=fwd_schema)

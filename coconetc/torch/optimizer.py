@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from coconetc.runtime import batch, layout
+from coconetc.torch.ops import profiled
 from coconetc.torch.params import all_tensors, check_devices, numel, param_groups, param_names
 from coconetc.torch.roles import Roles, function_of, plan_of, program_of
 
@@ -359,7 +360,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         args[s] = v.item() if isinstance(v, torch.Tensor) else v
                     if self._roles.step is not None:
                         args[self._roles.step] = group.steps
-                    returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
+                    with profiled(self._fn, self._schedule):
+                        returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
                     if group.flat is not None:  # the parameters view the flat buffer: bump them
                         torch.autograd.graph.increment_version(group.params)
             for view, before in frozen:  # (after a batch has run) the frozen parameters as they were

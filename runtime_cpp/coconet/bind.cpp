@@ -91,6 +91,16 @@ PYBIND11_MODULE(coconet_bound, m) {
         "collectives run through a shared-memory window in this process (which algorithm ran)");
   m.def("_hier_runs", [] { return coconet::hier_runs().load(); },
         "collectives run hierarchically (groups over several nodes) in this process");
+  m.def("_trace_on", &coconet::trace::set_on, py::arg("on"), py::arg("max_events"),
+        "records the units of every call in this process from now on (coconet/trace.h), or stops");
+  m.def("_trace_take", [] {
+    int64_t dropped = 0;
+    std::vector<coconet::trace::Event> events = coconet::trace::take(&dropped);
+    py::list out;
+    for (const auto& e : events)
+      out.append(py::make_tuple(e.unit, e.chunk, e.what ? py::str(e.what) : py::str(""), e.t0, e.t1, e.thread));
+    return py::make_tuple(out, dropped);
+  }, "the events recorded since the last take: ([(unit, chunk, what, t0_ns, t1_ns, thread)], dropped)");
   m.def("_units", &units, "the shared objects of this module's units mapped in this process");
   m.def("_map", [](const std::string& name) { function(coconet::entry_index(*coconet_module_entries(), name)); },
         "maps the unit of function NAME now (a call's checks: a unit that does not load raises on every rank)");

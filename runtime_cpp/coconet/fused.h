@@ -252,7 +252,10 @@ void compute_ag(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute compute,
   for (int64_t k = 0; k < plan.rounds; ++k) {
     Range mine = plan.range(k, me);
     if (!mine.empty())
-      abort_on_exception("fused collective compute", [&] { compute(mine.begin, mine.end); });
+      abort_on_exception("fused collective compute", [&] {
+        trace::Span span("fused collective: compute a chunk");
+        compute(mine.begin, mine.end);
+      });
     for (const GatherTarget& g : gathers)
       for (int p = 0; p < R; ++p) {
         if (p == me) continue;
@@ -341,10 +344,12 @@ class FusedAllreduceCompute {
     while (done_ < rounds_) {
       MPI_Request& req = req_[done_ % 2];
       int flag = 1;
-      if (block)
+      if (block) {
+        trace::Span span("wait");
         COCONET_MPI(MPI_Wait(&req, MPI_STATUS_IGNORE));
-      else
+      } else {
         COCONET_MPI(MPI_Test(&req, &flag, MPI_STATUS_IGNORE));
+      }
       if (!flag) return false;
       run_round();
     }

@@ -95,7 +95,10 @@ void compute_in_pieces(int64_t begin, int64_t end, const C* reduced, int64_t pie
                        Compute& compute, Progress&& progress) {
   for (int64_t a = begin; a < end; a += piece) {
     int64_t b = std::min(a + piece, end);
-    abort_on_exception("fused collective compute", [&] { compute(a, b, reduced + (a - begin)); });
+    abort_on_exception("fused collective compute", [&] {
+      trace::Span span("fused collective: compute a chunk");
+      compute(a, b, reduced + (a - begin));
+    });
     progress();
   }
 }
@@ -370,7 +373,10 @@ void compute_ag_shm(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& comp
   for (int64_t k = 0; k < plan.rounds; ++k) {
     Range q = plan.range(k, me);
     if (q.empty()) continue;
-    abort_on_exception("fused collective compute", [&] { compute(q.begin, q.end); });
+    abort_on_exception("fused collective compute", [&] {
+      trace::Span span("fused collective: compute a chunk");
+      compute(q.begin, q.end);
+    });
     targets.publish(me, q);
   }
   win.sync();
@@ -447,7 +453,11 @@ void compute_ag_hier(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& com
   RoundPlan plan(shape, comm.size, chunk_elems);
   for (int64_t kr = 0; kr < plan.rounds; ++kr) {
     Range q = plan.range(kr, comm.rank);
-    if (!q.empty()) abort_on_exception("fused collective compute", [&] { compute(q.begin, q.end); });
+    if (!q.empty())
+      abort_on_exception("fused collective compute", [&] {
+        trace::Span span("fused collective: compute a chunk");
+        compute(q.begin, q.end);
+      });
   }
   bool fenced = false;
   const size_t at = comm.shm.layout().per_node > 1 ? comm.shm.region_for(region, fenced, shm_double_bytes()) : 0;

@@ -27,6 +27,7 @@
 #include "rng.h"
 #include "segments.h"
 #include "slices.h"
+#include "trace.h"
 
 #ifdef _OPENMP
 #include <omp.h>

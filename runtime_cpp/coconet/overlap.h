@@ -33,6 +33,7 @@
 #include "reduce_ops.h"
 #include "segments.h"
 #include "slices.h"
+#include "trace.h"
 
 namespace coconet {
 
@@ -301,18 +302,39 @@ class Overlap {
 
   // Finishes the tasks up to and including task i, oldest first.
   void wait_through(size_t i) {
-    for (; first_ <= i && first_ < tasks_.size(); ++first_) tasks_[first_]->wait();
+    for (; first_ <= i && first_ < tasks_.size(); ++first_) wait(first_);
   }
 
   // Finishes every task, oldest first.
   void wait_all() {
-    for (; first_ < tasks_.size(); ++first_) tasks_[first_]->wait();
+    for (; first_ < tasks_.size(); ++first_) wait(first_);
   }
 
  private:
+  void wait(size_t i) {
+    trace::Span span("overlap: wait for the chunk's communication", static_cast<int64_t>(i));
+    tasks_[i]->wait();
+  }
+
   std::vector<std::unique_ptr<Task>> tasks_;
   size_t first_ = 0;  // tasks before this are done
 };
+
+// Chunk i's communication, started (traced as the chunk's start).
+template <class Start>
+std::unique_ptr<Task> started(Start& start, int i) {
+  trace::Span span("overlap: start the chunk's communication", i);
+  return start(i, i + 1);
+}
+
+// Chunk i consumed (its GEMM), an error in it ending the job.
+template <class Consume>
+void consumed(Consume& consume, int i, Overlap& ov) {
+  abort_on_exception("overlap consumer", [&] {
+    trace::Span span("overlap: consume the chunk", i);
+    consume(i, ov);
+  });
+}
 
 // overlap(producer, consumer, chunks=k): for i in 0..k-1, produce(i) (compute chunk i), then
 // start(i, channel) returns chunk i's communication as a Task (channel: pass it to the
@@ -327,12 +349,13 @@ void overlap(int chunks, Produce produce, Start start) {
   Overlap ov;
   for (int i = 0; i < chunks; ++i) {
     abort_on_exception("overlap producer", [&] {
+      trace::Span span("overlap: produce the chunk", i);
       if constexpr (std::is_invocable_v<Produce&, int, Overlap&>)
         produce(i, ov);
       else
         produce(i);
     });
-    ov.add(start(i, i + 1));
+    ov.add(started(start, i));
     ov.progress();
   }
   ov.wait_all();
@@ -348,17 +371,20 @@ template <class Produce, class Start, class Consume>
 void overlap_through(int chunks, Produce produce, Start start, Consume consume) {
   Overlap ov;
   for (int i = 0; i < chunks; ++i) {
-    abort_on_exception("overlap producer", [&] { produce(i, ov); });
-    ov.add(start(i, i + 1));
+    abort_on_exception("overlap producer", [&] {
+      trace::Span span("overlap: produce the chunk", i);
+      produce(i, ov);
+    });
+    ov.add(started(start, i));
     ov.progress();
     if (i > 0) {
       ov.wait_through(static_cast<size_t>(i - 1));
-      abort_on_exception("overlap consumer", [&] { consume(i - 1, ov); });
+      consumed(consume, i - 1, ov);
     }
   }
   if (chunks > 0) {
     ov.wait_through(static_cast<size_t>(chunks - 1));
-    abort_on_exception("overlap consumer", [&] { consume(chunks - 1, ov); });
+    consumed(consume, chunks - 1, ov);
   }
   ov.wait_all();
 }
@@ -371,11 +397,11 @@ void overlap_through(int chunks, Produce produce, Start start, Consume consume) 
 template <class Start, class Consume>
 void overlap_into(int chunks, Start start, Consume consume) {
   Overlap ov;
-  if (chunks > 0) ov.add(start(0, 1));
+  if (chunks > 0) ov.add(started(start, 0));
   for (int i = 0; i < chunks; ++i) {
-    if (i + 1 < chunks) ov.add(start(i + 1, i + 2));
+    if (i + 1 < chunks) ov.add(started(start, i + 1));
     ov.wait_through(static_cast<size_t>(i));
-    abort_on_exception("overlap consumer", [&] { consume(i, ov); });
+    consumed(consume, i, ov);
   }
   ov.wait_all();
 }

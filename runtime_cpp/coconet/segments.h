@@ -23,6 +23,7 @@
 #include "errors.h"
 #include "pieces.h"
 #include "slices.h"
+#include "trace.h"
 
 namespace coconet {
 
@@ -149,6 +150,7 @@ inline bool test_all(std::vector<MPI_Request>& reqs) {
 // Waits for all of `reqs` and clears them.
 inline void wait_all(std::vector<MPI_Request>& reqs) {
   if (reqs.empty()) return;
+  trace::Span span("wait");
   COCONET_MPI(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
   reqs.clear();
 }

@@ -26,8 +26,11 @@ void adam__default(const coconet::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (adam.ccn:4)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: m1, v1, mh, vh, w1 (adam.ccn:5)
   const float k0_m1 = coconet::to_compute(v_beta1[0]);
   const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -70,6 +73,7 @@ void adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

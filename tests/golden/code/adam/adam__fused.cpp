@@ -28,6 +28,7 @@ void adam__fused(const coconet::CallArgs& a) {
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
   float* const v_agm = v_m;  // updates m in place
   float* const v_agv = v_v;  // updates v in place
+  coconet::trace::Unit trace_0(0);
   // [fused] fused collective fused0: rs, m1, v1, mh, vh, w1, agw (adam.ccn:30)
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -56,10 +57,15 @@ void adam__fused(const coconet::CallArgs& a) {
       }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {coconet::gather_target(v_agw, S_N)});
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [fused] allgather agm (adam.ccn:29)
   coconet::allgather(v_m1, v_agm, int64_t(1), S_N, int64_t(1), comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [fused] allgather agv (adam.ccn:29)
   coconet::allgather(v_v1, v_agv, int64_t(1), S_N, int64_t(1), comm);
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

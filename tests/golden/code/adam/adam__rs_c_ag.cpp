@@ -29,8 +29,11 @@ void adam__rs_c_ag(const coconet::CallArgs& a) {
   float* const v_agm = v_m;  // updates m in place
   float* const v_agv = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] reducescatter rs (adam.ccn:4)
   coconet::reduce_scatter(coconet::Op::sum, v_g, v_rs, int64_t(1), S_N, int64_t(1), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] loop: m1, v1, mh, vh, w1 (adam.ccn:5)
   const float k0_m1 = coconet::to_compute(v_beta1[0]);
   const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -73,12 +76,19 @@ void adam__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] allgather agm (adam.ccn:15)
   coconet::allgather(v_m1, v_agm, int64_t(1), S_N, int64_t(1), comm);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_c_ag] allgather agv (adam.ccn:15)
   coconet::allgather(v_v1, v_agv, int64_t(1), S_N, int64_t(1), comm);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rs_c_ag] allgather agw (adam.ccn:15)
   coconet::allgather(v_w1, v_agw, int64_t(1), S_N, int64_t(1), comm);
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

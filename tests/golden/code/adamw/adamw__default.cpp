@@ -30,12 +30,17 @@ void adamw__default(const coconet::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (adamw.ccn:8)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] reduce t0_c = norm(g1) (adamw.ccn)
   { double acc = coconet::sumsq_of(v_g1, S_N);
     acc = coconet::reduce_partial(acc, false, comm);
     v_t0_c[0] = coconet::from_compute<float>(static_cast<float>(std::sqrt(acc))); }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] loop: c (adamw.ccn:9)
   const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
   {
@@ -57,6 +62,8 @@ void adamw__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: gc, m1, v1, mh, vh, w1 (adamw.ccn:10)
   const float k1_gc = coconet::to_compute(v_c[0]);
   const float k2_m1 = coconet::to_compute(v_beta1[0]);
@@ -103,6 +110,7 @@ void adamw__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

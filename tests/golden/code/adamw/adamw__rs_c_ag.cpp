@@ -33,12 +33,17 @@ void adamw__rs_c_ag(const coconet::CallArgs& a) {
   float* const v_agm = v_m;  // updates m in place
   float* const v_agv = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] reducescatter rs (adamw.ccn:8)
   coconet::reduce_scatter(coconet::Op::sum, v_g, v_rs, int64_t(1), S_N, int64_t(1), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] reduce t0_c = norm(rs) (adamw.ccn)
   { double acc = coconet::sumsq_of(v_rs, coconet::slice_range(S_N, comm.size, comm.rank).size());
     acc = coconet::reduce_partial(acc, true, comm);
     v_t0_c[0] = coconet::from_compute<float>(static_cast<float>(std::sqrt(acc))); }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] loop: c (adamw.ccn:9)
   const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
   {
@@ -60,6 +65,8 @@ void adamw__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_c_ag] loop: gc, m1, v1, mh, vh, w1 (adamw.ccn:10)
   const float k1_gc = coconet::to_compute(v_c[0]);
   const float k2_m1 = coconet::to_compute(v_beta1[0]);
@@ -106,12 +113,19 @@ void adamw__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rs_c_ag] allgather agm (adamw.ccn:22)
   coconet::allgather(v_m1, v_agm, int64_t(1), S_N, int64_t(1), comm);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [rs_c_ag] allgather agv (adamw.ccn:22)
   coconet::allgather(v_v1, v_agv, int64_t(1), S_N, int64_t(1), comm);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [rs_c_ag] allgather agw (adamw.ccn:22)
   coconet::allgather(v_w1, v_agw, int64_t(1), S_N, int64_t(1), comm);
+  trace_6.end();
 }
 
 }  // namespace coconet_gen

@@ -31,12 +31,17 @@ void adamw__sliced(const coconet::CallArgs& a) {
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = coconet::scratch<float, 4>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_agw = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [sliced] reducescatter rs (adamw.ccn:8)
   coconet::reduce_scatter(coconet::Op::sum, v_g, v_rs, int64_t(1), S_N, int64_t(1), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [sliced] reduce t0_c = norm(rs) (adamw.ccn)
   { double acc = coconet::sumsq_of(v_rs, coconet::slice_range(S_N, comm.size, comm.rank).size());
     acc = coconet::reduce_partial(acc, true, comm);
     v_t0_c[0] = coconet::from_compute<float>(static_cast<float>(std::sqrt(acc))); }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [sliced] loop: c (adamw.ccn:9)
   const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
   {
@@ -58,6 +63,8 @@ void adamw__sliced(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [sliced] loop: gc, m1, v1, mh, vh, w1 (adamw.ccn:10)
   const float k1_gc = coconet::to_compute(v_c[0]);
   const float k2_m1 = coconet::to_compute(v_beta1[0]);
@@ -104,8 +111,11 @@ void adamw__sliced(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [sliced] allgather agw (adamw.ccn:28)
   coconet::allgather(v_w1, v_agw, int64_t(1), S_N, int64_t(1), comm);
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

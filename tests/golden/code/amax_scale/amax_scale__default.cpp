@@ -25,8 +25,11 @@ void amax_scale__default(const coconet::CallArgs& a) {
   float* const v_s = coconet::scratch<float, 4>(int64_t(1));
   float* const v_m1 = v_m;  // updates m in place
   float* const v_w1 = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (amax_scale.ccn:9)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: t0_a (amax_scale.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -47,10 +50,14 @@ void amax_scale__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] reduce a = max(t0_a) (amax_scale.ccn:10)
   { double acc = coconet::max_of(v_t0_a, S_N);
     acc = coconet::reduce_extreme(acc, false, comm);
     v_a[0] = coconet::from_compute<float>(static_cast<float>(acc)); }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: s (amax_scale.ccn:11)
   const float k0_s = coconet::minimum<float>(coconet::to_compute(v_clip[0]) / (coconet::to_compute(v_a[0]) + 1e-12f), 1.0f);
   {
@@ -72,6 +79,8 @@ void amax_scale__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] loop: m1, w1 (amax_scale.ccn:12)
   const bool k1_m1 = coconet::to_compute(v_a[0]) <= 3e+38f;
   const float k2_m1 = coconet::to_compute(v_beta[0]);
@@ -103,6 +112,7 @@ void amax_scale__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

@@ -27,8 +27,11 @@ void amax_scale__rs_a_ag(const coconet::CallArgs& a) {
   float* const v_w1 = coconet::scratch<float, 6>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_agm = v_m;  // updates m in place
   float* const v_agw = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [rs_a_ag] reducescatter rs (amax_scale.ccn:9)
   coconet::reduce_scatter(coconet::Op::sum, v_g, v_rs, int64_t(1), S_N, int64_t(1), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_a_ag] loop: t0_a (amax_scale.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -49,10 +52,14 @@ void amax_scale__rs_a_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_a_ag] reduce a = max(t0_a) (amax_scale.ccn:10)
   { double acc = coconet::max_of(v_t0_a, coconet::slice_range(S_N, comm.size, comm.rank).size());
     acc = coconet::reduce_extreme(acc, true, comm);
     v_a[0] = coconet::from_compute<float>(static_cast<float>(acc)); }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_a_ag] loop: s (amax_scale.ccn:11)
   const float k0_s = coconet::minimum<float>(coconet::to_compute(v_clip[0]) / (coconet::to_compute(v_a[0]) + 1e-12f), 1.0f);
   {
@@ -74,6 +81,8 @@ void amax_scale__rs_a_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rs_a_ag] loop: m1, w1 (amax_scale.ccn:12)
   const bool k1_m1 = coconet::to_compute(v_a[0]) <= 3e+38f;
   const float k2_m1 = coconet::to_compute(v_beta[0]);
@@ -105,10 +114,15 @@ void amax_scale__rs_a_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [rs_a_ag] allgather agm (amax_scale.ccn:20)
   coconet::allgather(v_m1, v_agm, int64_t(1), S_N, int64_t(1), comm);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [rs_a_ag] allgather agw (amax_scale.ccn:20)
   coconet::allgather(v_w1, v_agw, int64_t(1), S_N, int64_t(1), comm);
+  trace_6.end();
 }
 
 }  // namespace coconet_gen

@@ -26,6 +26,7 @@ void amax_scale__zero(const coconet::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::trace::Unit trace_0(0);
   // [zero] fused collective fused0: rs (amax_scale.ccn:29)
   std::vector<double> pa_a(1, -HUGE_VAL);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
@@ -92,6 +93,7 @@ void amax_scale__zero(const coconet::CallArgs& a) {
       }
   };
   coconet::compute_ag<float>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agw, S_N)});
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -20,8 +20,11 @@ void clipped_sgd__default(const coconet::CallArgs& a) {
   float* const v_gc = coconet::scratch<float, 2>(S_N);
   float* const v_t0_w1 = coconet::scratch<float, 3>(int64_t(1));
   float* const v_w1 = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (clipped_sgd.ccn:5)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: gc (clipped_sgd.ccn:6)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -42,10 +45,14 @@ void clipped_sgd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] reduce t0_w1 = norm(g1) (clipped_sgd.ccn)
   { double acc = coconet::sumsq_of(v_g1, S_N);
     acc = coconet::reduce_partial(acc, false, comm);
     v_t0_w1[0] = coconet::from_compute<float>(static_cast<float>(std::sqrt(acc))); }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: w1 (clipped_sgd.ccn:7)
   const float k0_w1 = coconet::to_compute(v_lr[0]);
   const float k1_w1 = coconet::to_compute(v_t0_w1[0]) + 0.001f;
@@ -68,6 +75,7 @@ void clipped_sgd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -21,6 +21,7 @@ void clipped_sgd__fused(const coconet::CallArgs& a) {
   float* const v_t0_w1 = coconet::scratch<float, 3>(int64_t(1));
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::trace::Unit trace_0(0);
   // [fused] fused collective fused0: rs, gc (clipped_sgd.ccn:13)
   std::vector<double> pa_t0_w1(1, 0.0);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
@@ -65,6 +66,7 @@ void clipped_sgd__fused(const coconet::CallArgs& a) {
       }
   };
   coconet::compute_ag<float>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agw, S_N)});
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -35,16 +35,25 @@ void collectives__split_max(const coconet::CallArgs& a) {
   coconet::bfloat16* const v_p = a.output<coconet::bfloat16>(7);
   float* const v_t3_q = coconet::shared_scratch<float, 6>(comm, S_N);
   float* const v_q = a.output<float>(8);
+  coconet::trace::Unit trace_0(0);
   coconet::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   coconet::require(0 < comm.size, "reduce: root 0 is not a rank of a group of " + std::to_string(comm.size));
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [split_max] reduce t0_n = norm(sl) (collectives.ccn)
   { double acc = coconet::sumsq_of(v_sl, coconet::slice_range(S_N, comm.size, comm.rank).size());
     acc = coconet::reduce_partial(acc, true, comm);
     v_t0_n[0] = coconet::from_compute<double>(static_cast<double>(std::sqrt(acc))); }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [split_max] reduce t1_n = sum(sl) (collectives.ccn)
   { double acc = coconet::sum_of(v_sl, coconet::slice_range(S_N, comm.size, comm.rank).size());
     acc = coconet::reduce_partial(acc, true, comm);
     v_t1_n[0] = coconet::from_compute<double>(static_cast<double>(acc)); }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [split_max] loop: n (collectives.ccn:14)
   const double k0_n = coconet::to_compute(v_t0_n[0]) + coconet::to_compute(v_t1_n[0]);
   {
@@ -66,20 +75,36 @@ void collectives__split_max(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [split_max] reducescatter rs (collectives.ccn:4)
   coconet::reduce_scatter(coconet::Op::max, v_x, v_rs, S_N, S_M, int64_t(1), comm);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [split_max] allgather ag (collectives.ccn:4)
   coconet::allgather(v_rs, v_ag, S_N, S_M, int64_t(1), comm);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [split_max] reducescatter b (collectives.ccn:5)
   coconet::reduce_scatter(coconet::Op::avg, v_x, v_b, S_N, S_M, int64_t(1), comm);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [split_max] allgather c (collectives.ccn:6)
   coconet::allgather(v_b, v_c, S_N, S_M, int64_t(1), comm);
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [split_max] broadcast d (collectives.ccn:7)
   coconet::broadcast(v_x, v_d, S_N * S_M, 0, comm);
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [split_max] reduce e (collectives.ccn:8)
   coconet::reduce(coconet::Op::sum, v_y, v_e, S_N, 0, comm);
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [split_max] scatter f (collectives.ccn:9)
   coconet::scatter_copy(v_z, v_f, int64_t(1), S_N, int64_t(1), comm);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [split_max] loop: t2_g (collectives.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -100,12 +125,20 @@ void collectives__split_max(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [split_max] allgather g (collectives.ccn:10)
   coconet::allgather(v_t2_g, v_g, int64_t(1), S_N, int64_t(1), comm);
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [split_max] allreduce h (collectives.ccn:11)
   coconet::allreduce(coconet::Op::min, v_k, v_h, S_N, comm);
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [split_max] send p (collectives.ccn:12)
   coconet::send_shift(v_y, v_p, S_N, coconet::Direction::next, comm);
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [split_max] loop: t3_q (collectives.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -126,8 +159,11 @@ void collectives__split_max(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [split_max] allreduce q (collectives.ccn:13)
   coconet::allreduce(coconet::Op::prod, v_t3_q, v_q, S_N, comm);
+  trace_17.end();
 }
 
 }  // namespace coconet_gen

@@ -27,8 +27,11 @@ void conv_layer__default(const coconet::CallArgs& a) {
   float* const v_gsum = coconet::scratch<float, 3>(S_O * int64_t(1) * int64_t(1));
   float* const v_nb = v_bias;  // updates bias in place
   float* const v_full = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] conv2d y (conv2d.ccn:5)
   coconet::conv2d<float>(v_x, v_k, v_y, coconet::slice_range(S_N, comm.size, comm.rank).size(), S_C, S_H, S_W, S_O, int64_t(3), int64_t(3), 1, 1);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: a (conv2d.ccn:6)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -68,8 +71,12 @@ void conv_layer__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] allreduce gsum (conv2d.ccn:7)
   coconet::allreduce(coconet::Op::avg, v_gb, v_gsum, S_O * int64_t(1) * int64_t(1), comm);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: nb (conv2d.ccn:8)
   const float k0_nb = coconet::to_compute(v_lr[0]);
   {
@@ -91,8 +98,11 @@ void conv_layer__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] allgather full (conv2d.ccn:9)
   coconet::allgather(v_a, v_full, int64_t(1), S_N, S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1)), comm);
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

@@ -22,10 +22,15 @@ void conv_tp__default(const coconet::CallArgs& a) {
   float* const v_part = coconet::shared_scratch<float, 1>(comm, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
   float* const v_y = coconet::scratch<float, 2>(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
   float* const v_out = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] conv2d part (conv2d.ccn:15)
   coconet::conv2d<float>(v_x, v_k, v_part, S_N, coconet::slice_range(S_C, comm.size, comm.rank).size(), S_H, S_W, S_O, int64_t(3), int64_t(3), 2, 1);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] allreduce y (conv2d.ccn:16)
   coconet::allreduce(coconet::Op::sum, v_part, v_y, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] loop: out (conv2d.ccn:17)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -46,6 +51,7 @@ void conv_tp__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

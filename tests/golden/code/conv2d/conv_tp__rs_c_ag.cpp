@@ -23,10 +23,15 @@ void conv_tp__rs_c_ag(const coconet::CallArgs& a) {
   float* const v_rs = coconet::scratch<float, 2>(S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
   float* const v_out = coconet::scratch<float, 3>(S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
   float* const v_ago = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] conv2d part (conv2d.ccn:15)
   coconet::conv2d<float>(v_x, v_k, v_part, S_N, coconet::slice_range(S_C, comm.size, comm.rank).size(), S_H, S_W, S_O, int64_t(3), int64_t(3), 2, 1);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] reducescatter rs (conv2d.ccn:16)
   coconet::reduce_scatter(coconet::Op::sum, v_part, v_rs, S_N, S_O, ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] loop: out (conv2d.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_O, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -47,8 +52,11 @@ void conv_tp__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_c_ag] allgather ago (conv2d.ccn:23)
   coconet::allgather(v_out, v_ago, S_N, S_O, ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), comm);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

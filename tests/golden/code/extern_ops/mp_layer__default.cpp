@@ -24,12 +24,19 @@ void mp_layer__default(const coconet::CallArgs& a) {
   float* const v_s = coconet::scratch<float, 2>(S_B * S_H);
   float* const v_t0_h = coconet::scratch<float, 3>(S_B * S_H);
   float* const v_h = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] matmul y (extern_ops.ccn:33)
   coconet::matmul<float>(v_x, v_w, v_y, S_B, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] allreduce s (extern_ops.ccn:34)
   coconet::allreduce(coconet::Op::sum, v_y, v_s, S_B * S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] rmsnorm t0_h (extern_ops.ccn)
   cclib::rmsnorm(v_s, v_g, static_cast<float>(1e-05), v_t0_h, S_B, S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: h (extern_ops.ccn:35)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -50,6 +57,7 @@ void mp_layer__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -25,12 +25,19 @@ void mp_layer__rows(const coconet::CallArgs& a) {
   float* const v_t0_h = coconet::scratch<float, 3>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_h = coconet::scratch<float, 4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_agh = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [rows] matmul y (extern_ops.ccn:33)
   coconet::matmul<float>(v_x, v_w, v_y, S_B, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rows] reducescatter rs (extern_ops.ccn:34)
   coconet::reduce_scatter(coconet::Op::sum, v_y, v_rs, int64_t(1), S_B, S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rows] rmsnorm t0_h (extern_ops.ccn)
   cclib::rmsnorm(v_rs, v_g, static_cast<float>(1e-05), v_t0_h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rows] loop: h (extern_ops.ccn:35)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -51,8 +58,11 @@ void mp_layer__rows(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rows] allgather agh (extern_ops.ccn:43)
   coconet::allgather(v_h, v_agh, int64_t(1), S_B, S_H, comm);
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

@@ -24,6 +24,7 @@ void mp_layer__rows_overlapped(const coconet::CallArgs& a) {
   float* const v_t0_h = coconet::scratch<float, 2>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_h = coconet::scratch<float, 3>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_agh = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [rows_overlapped] overlap y -> rs: 2 chunks along dim 1 (extern_ops.ccn:50)
   coconet::PackedChunks<float> pk_y(2, S_B, S_H, int64_t(1));
   coconet::overlap(2, [&](int i) {
@@ -36,8 +37,12 @@ void mp_layer__rows_overlapped(const coconet::CallArgs& a) {
     float* const Q = pk_y.out(i, coconet::slice_range(S_B, comm.size, comm.rank).size() * r.size());
     return coconet::then_unpack(coconet::start_reduce_scatter(coconet::Op::sum, P, Q, int64_t(1), S_B, r.size(), comm, channel), Q, v_rs, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, int64_t(1), r);
   });
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rows_overlapped] rmsnorm t0_h (extern_ops.ccn)
   cclib::rmsnorm(v_rs, v_g, static_cast<float>(1e-05), v_t0_h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rows_overlapped] loop: h (extern_ops.ccn:35)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -58,8 +63,11 @@ void mp_layer__rows_overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rows_overlapped] allgather agh (extern_ops.ccn:49)
   coconet::allgather(v_h, v_agh, int64_t(1), S_B, S_H, comm);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

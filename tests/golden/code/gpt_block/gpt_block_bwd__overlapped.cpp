@@ -124,15 +124,26 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
+  coconet::trace::Unit trace_0(0);
   // [overlapped] reshape q_reshape (gpt_block.ccn:38)
   coconet::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [overlapped] reshape k_reshape (gpt_block.ccn:40)
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [overlapped] reshape v_reshape (gpt_block.ccn:41)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // s_transpose: part of the backward attention call (plan: attention)
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [overlapped] loop: h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -169,6 +180,8 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [overlapped] loop: g_y_add (gpt_block.ccn)
   const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
@@ -204,12 +217,20 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_proj[col] = coconet::from_compute<float>(part_d_b_proj[col]);
   }
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: summed by the loop that computes g_y_add (plan: column sums)
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [overlapped] loop: g_h_add (gpt_block.ccn)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -243,8 +264,12 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
@@ -258,15 +283,27 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     float* const Q = pk_g_n2_part.out(i, S_B * r.size() * S_H);
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * r.size() * S_H, comm, channel), Q, v_g_n2, S_B, S_S, S_H, r);
   });
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // loop g_x1: the epilogue of the layernorm_dx above
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // [overlapped] loop: g_x1_add (gpt_block.ccn)
   const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
@@ -302,60 +339,128 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_bo[col] = coconet::from_compute<float>(part_d_bo[col]);
   }
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
   // d_bo: summed by the loop that computes g_x1_add (plan: column sums)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // t1_g_a: part of the backward attention call (plan: attention)
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // g_a: part of the backward attention call (plan: attention)
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // t2_g_v: part of the backward attention call (plan: attention)
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // g_v: part of the backward attention call (plan: attention)
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // g_p: part of the backward attention call (plan: attention)
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // t3_g_rows: part of the backward attention call (plan: attention)
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // g_rows: part of the backward attention call (plan: attention)
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // t4_g_q: part of the backward attention call (plan: attention)
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // g_q: part of the backward attention call (plan: attention)
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // g_s_transpose: part of the backward attention call (plan: attention)
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true, true);
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [overlapped] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // [overlapped] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // [overlapped] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [overlapped] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -369,17 +474,30 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allreduce(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, comm, channel);
   });
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // loop d_x: the epilogue of the layernorm_dx above
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H);
+  trace_58.end();
 }
 
 }  // namespace coconet_gen

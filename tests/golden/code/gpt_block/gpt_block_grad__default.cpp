@@ -150,14 +150,23 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
+  coconet::trace::Unit trace_0(0);
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] reshape q_reshape (gpt_block.ccn:38)
   coconet::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] matmul q_matmul (gpt_block.ccn:38)
   coconet::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] reshape q_reshape2 (gpt_block.ccn:38)
   coconet::reshape<float>(v_bq, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] loop: q_add (gpt_block.ccn:38)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -194,24 +203,44 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [default] reshape q_reshape3 (gpt_block.ccn:38)
   coconet::reshape<float>(v_q_add, v_q_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] transpose q (gpt_block.ccn:38)
   coconet::transpose<float>(v_q_reshape3, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [default] reshape k_reshape (gpt_block.ccn:40)
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [default] matmul k_matmul (gpt_block.ccn:40)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [default] reshape k_reshape2 (gpt_block.ccn:40)
   coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [default] transpose k (gpt_block.ccn:40)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [default] reshape v_reshape (gpt_block.ccn:41)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [default] matmul v_matmul (gpt_block.ccn:41)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [default] reshape v_reshape2 (gpt_block.ccn:41)
   coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [default] loop: v_add (gpt_block.ccn:41)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -248,27 +277,55 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [default] reshape v_reshape3 (gpt_block.ccn:41)
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [default] transpose v (gpt_block.ccn:41)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // s_transpose: part of the forward attention call (plan: attention)
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // s_matmul: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // s, p_where: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // p: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // a: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // o_matmul: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [default] transpose o_transpose (gpt_block.ccn:46)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [default] reshape o (gpt_block.ccn:46)
   coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)");
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [default] reshape ap_reshape (gpt_block.ccn:47)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [default] matmul ap (gpt_block.ccn:47)
   coconet::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [default] allreduce at (gpt_block.ccn:48)
   coconet::allreduce(coconet::Op::sum, v_ap, v_at, S_B * S_S * S_H, comm);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [default] loop: x1_add, x1_dropout, x1 (gpt_block.ccn:49)
   const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
   const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
@@ -313,10 +370,16 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [default] matmul hm (gpt_block.ccn:51)
   coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [default] loop: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -359,6 +422,8 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [default] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
@@ -394,12 +459,20 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_proj[col] = coconet::from_compute<float>(part_d_b_proj[col]);
   }
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [default] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: summed by the loop that computes g_y_add (plan: column sums)
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [default] loop: g_h_add (gpt_block.ccn)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -433,21 +506,39 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [default] allreduce g_n2 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, comm);
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // loop g_x1: the epilogue of the layernorm_dx above
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // [default] loop: g_x1_add (gpt_block.ccn)
   const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
@@ -483,66 +574,140 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_bo[col] = coconet::from_compute<float>(part_d_bo[col]);
   }
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // [default] sum_lead d_bo (gpt_block.ccn)
   // d_bo: summed by the loop that computes g_x1_add (plan: column sums)
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // t1_g_a: part of the backward attention call (plan: attention)
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // g_a: part of the backward attention call (plan: attention)
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // t2_g_v: part of the backward attention call (plan: attention)
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // g_v: part of the backward attention call (plan: attention)
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // g_p: part of the backward attention call (plan: attention)
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // t3_g_rows: part of the backward attention call (plan: attention)
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // g_rows: part of the backward attention call (plan: attention)
+  trace_58.end();
+  coconet::trace::Unit trace_59(59);
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  trace_59.end();
+  coconet::trace::Unit trace_60(60);
   // t4_g_q: part of the backward attention call (plan: attention)
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // g_q: part of the backward attention call (plan: attention)
+  trace_61.end();
+  coconet::trace::Unit trace_62(62);
   // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  trace_62.end();
+  coconet::trace::Unit trace_63(63);
   // g_s_transpose: part of the backward attention call (plan: attention)
+  trace_63.end();
+  coconet::trace::Unit trace_64(64);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, false);
+  trace_64.end();
+  coconet::trace::Unit trace_65(65);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_65.end();
+  coconet::trace::Unit trace_66(66);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_66.end();
+  coconet::trace::Unit trace_67(67);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_67.end();
+  coconet::trace::Unit trace_68(68);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_68.end();
+  coconet::trace::Unit trace_69(69);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_69.end();
+  coconet::trace::Unit trace_70(70);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_70.end();
+  coconet::trace::Unit trace_71(71);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_71.end();
+  coconet::trace::Unit trace_72(72);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_72.end();
+  coconet::trace::Unit trace_73(73);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_73.end();
+  coconet::trace::Unit trace_74(74);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_74.end();
+  coconet::trace::Unit trace_75(75);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_75.end();
+  coconet::trace::Unit trace_76(76);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_76.end();
+  coconet::trace::Unit trace_77(77);
   // [default] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_77.end();
+  coconet::trace::Unit trace_78(78);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_78.end();
+  coconet::trace::Unit trace_79(79);
   // [default] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_79.end();
+  coconet::trace::Unit trace_80(80);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_80.end();
+  coconet::trace::Unit trace_81(81);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_81.end();
+  coconet::trace::Unit trace_82(82);
   // [default] loop: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -563,19 +728,34 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_82.end();
+  coconet::trace::Unit trace_83(83);
   // [default] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_83.end();
+  coconet::trace::Unit trace_84(84);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_84.end();
+  coconet::trace::Unit trace_85(85);
   // [default] allreduce g_n1 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
+  trace_85.end();
+  coconet::trace::Unit trace_86(86);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_86.end();
+  coconet::trace::Unit trace_87(87);
   // loop d_x: the epilogue of the layernorm_dx above
+  trace_87.end();
+  coconet::trace::Unit trace_88(88);
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  trace_88.end();
+  coconet::trace::Unit trace_89(89);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H);
+  trace_89.end();
 }
 
 }  // namespace coconet_gen

@@ -146,14 +146,23 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
+  coconet::trace::Unit trace_0(0);
   // [overlapped] layernorm n1 (gpt_block.ccn:36)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [overlapped] reshape q_reshape (gpt_block.ccn:38)
   coconet::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [overlapped] matmul q_matmul (gpt_block.ccn:38)
   coconet::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [overlapped] reshape q_reshape2 (gpt_block.ccn:38)
   coconet::reshape<float>(v_bq, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [overlapped] loop: q_add (gpt_block.ccn:38)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -190,24 +199,44 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [overlapped] reshape q_reshape3 (gpt_block.ccn:38)
   coconet::reshape<float>(v_q_add, v_q_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [overlapped] transpose q (gpt_block.ccn:38)
   coconet::transpose<float>(v_q_reshape3, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [overlapped] reshape k_reshape (gpt_block.ccn:40)
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [overlapped] matmul k_matmul (gpt_block.ccn:40)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [overlapped] reshape k_reshape2 (gpt_block.ccn:40)
   coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [overlapped] transpose k (gpt_block.ccn:40)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [overlapped] reshape v_reshape (gpt_block.ccn:41)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [overlapped] matmul v_matmul (gpt_block.ccn:41)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [overlapped] reshape v_reshape2 (gpt_block.ccn:41)
   coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [overlapped] loop: v_add (gpt_block.ccn:41)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -244,27 +273,55 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [overlapped] reshape v_reshape3 (gpt_block.ccn:41)
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [overlapped] transpose v (gpt_block.ccn:41)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // s_transpose: part of the forward attention call (plan: attention)
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // s_matmul: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // s, p_where: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // p: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // a: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // o_matmul: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [overlapped] transpose o_transpose (gpt_block.ccn:46)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [overlapped] reshape o (gpt_block.ccn:46)
   coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)");
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [overlapped] matmul ap (gpt_block.ccn:47)
   coconet::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [overlapped] allreduce at (gpt_block.ccn:48)
   coconet::allreduce(coconet::Op::sum, v_ap, v_at, S_B * S_S * S_H, comm);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [overlapped] loop: x1_add, x1_dropout, x1 (gpt_block.ccn:49)
   const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
   const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
@@ -309,10 +366,16 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [overlapped] matmul hm (gpt_block.ccn:51)
   coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [overlapped] loop: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -355,6 +418,8 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [overlapped] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
@@ -390,12 +455,20 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_proj[col] = coconet::from_compute<float>(part_d_b_proj[col]);
   }
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: summed by the loop that computes g_y_add (plan: column sums)
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [overlapped] loop: g_h_add (gpt_block.ccn)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -429,8 +502,12 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
@@ -444,15 +521,27 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     float* const Q = pk_g_n2_part.out(i, S_B * r.size() * S_H);
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * r.size() * S_H, comm, channel), Q, v_g_n2, S_B, S_S, S_H, r);
   });
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // loop g_x1: the epilogue of the layernorm_dx above
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // [overlapped] loop: g_x1_add (gpt_block.ccn)
   const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
@@ -488,60 +577,128 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_bo[col] = coconet::from_compute<float>(part_d_bo[col]);
   }
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
   // d_bo: summed by the loop that computes g_x1_add (plan: column sums)
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // t1_g_a: part of the backward attention call (plan: attention)
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // g_a: part of the backward attention call (plan: attention)
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // t2_g_v: part of the backward attention call (plan: attention)
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // g_v: part of the backward attention call (plan: attention)
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // g_p: part of the backward attention call (plan: attention)
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // t3_g_rows: part of the backward attention call (plan: attention)
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // g_rows: part of the backward attention call (plan: attention)
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  trace_58.end();
+  coconet::trace::Unit trace_59(59);
   // t4_g_q: part of the backward attention call (plan: attention)
+  trace_59.end();
+  coconet::trace::Unit trace_60(60);
   // g_q: part of the backward attention call (plan: attention)
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  trace_61.end();
+  coconet::trace::Unit trace_62(62);
   // g_s_transpose: part of the backward attention call (plan: attention)
+  trace_62.end();
+  coconet::trace::Unit trace_63(63);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, false);
+  trace_63.end();
+  coconet::trace::Unit trace_64(64);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_64.end();
+  coconet::trace::Unit trace_65(65);
   // [overlapped] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_65.end();
+  coconet::trace::Unit trace_66(66);
   // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_66.end();
+  coconet::trace::Unit trace_67(67);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_67.end();
+  coconet::trace::Unit trace_68(68);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_68.end();
+  coconet::trace::Unit trace_69(69);
   // [overlapped] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_69.end();
+  coconet::trace::Unit trace_70(70);
   // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_70.end();
+  coconet::trace::Unit trace_71(71);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_71.end();
+  coconet::trace::Unit trace_72(72);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_72.end();
+  coconet::trace::Unit trace_73(73);
   // [overlapped] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_73.end();
+  coconet::trace::Unit trace_74(74);
   // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_74.end();
+  coconet::trace::Unit trace_75(75);
   // [overlapped] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_75.end();
+  coconet::trace::Unit trace_76(76);
   // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_76.end();
+  coconet::trace::Unit trace_77(77);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_77.end();
+  coconet::trace::Unit trace_78(78);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -555,17 +712,30 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allreduce(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, comm, channel);
   });
+  trace_78.end();
+  coconet::trace::Unit trace_79(79);
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_79.end();
+  coconet::trace::Unit trace_80(80);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_80.end();
+  coconet::trace::Unit trace_81(81);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_81.end();
+  coconet::trace::Unit trace_82(82);
   // loop d_x: the epilogue of the layernorm_dx above
+  trace_82.end();
+  coconet::trace::Unit trace_83(83);
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  trace_83.end();
+  coconet::trace::Unit trace_84(84);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H);
+  trace_84.end();
 }
 
 }  // namespace coconet_gen

@@ -72,16 +72,27 @@ void gpt_block_sp__overlapped(const coconet::CallArgs& a) {
   float* const v_h = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_mp = coconet::scratch<float, 24>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [overlapped] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
   coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [overlapped] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [overlapped] reshape t1_q (gpt_block.ccn)
   coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [overlapped] loop: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -118,24 +129,44 @@ void gpt_block_sp__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [overlapped] reshape t3_q (gpt_block.ccn)
   coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [overlapped] reshape t4_k (gpt_block.ccn)
   coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [overlapped] reshape t6_k (gpt_block.ccn)
   coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [overlapped] reshape t7_v (gpt_block.ccn)
   coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [overlapped] reshape t9_v (gpt_block.ccn)
   coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [overlapped] loop: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -172,24 +203,50 @@ void gpt_block_sp__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [overlapped] reshape t11_v (gpt_block.ccn)
   coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // t12_s: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // t13_s: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // s: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // t14_p: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // p: part of the forward attention call (plan: attention)
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // a: part of the forward attention call (plan: attention)
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // t15_o: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [overlapped] reshape o (gpt_block.ccn:132)
   coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
   coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:159)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_t17_ap, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
@@ -234,6 +291,8 @@ void gpt_block_sp__overlapped(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
   });
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [overlapped] matmul hm (gpt_block.ccn:138)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -262,7 +321,11 @@ void gpt_block_sp__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // loop h: the epilogue of the matmul above
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:161)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_mp = coconet::gemm_prepare_b<float>(v_w_proj, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, S_H);
@@ -301,6 +364,7 @@ void gpt_block_sp__overlapped(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_mp + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute, {});
   });
+  trace_31.end();
 }
 
 }  // namespace coconet_gen

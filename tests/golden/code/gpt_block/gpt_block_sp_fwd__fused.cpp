@@ -83,16 +83,27 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");  // t11_v's check
   coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");  // o's check
   coconet::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");  // t17_ap's check
+  coconet::trace::Unit trace_0(0);
   // [fused] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [fused] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [fused] reshape t0_qm (gpt_block.ccn)
   coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [fused] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [fused] reshape t1_q (gpt_block.ccn)
   coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [fused] loop: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -129,24 +140,44 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [fused] reshape t3_q (gpt_block.ccn)
   coconet::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [fused] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [fused] reshape t4_k (gpt_block.ccn)
   coconet::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [fused] reshape t6_k (gpt_block.ccn)
   coconet::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [fused] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [fused] reshape t7_v (gpt_block.ccn)
   coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [fused] reshape t9_v (gpt_block.ccn)
   coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [fused] loop: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -183,26 +214,54 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [fused] reshape t11_v (gpt_block.ccn)
   coconet::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [fused] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // t12_s: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // t13_s: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // s: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // t14_p: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // p: part of the forward attention call (plan: attention)
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // a: part of the forward attention call (plan: attention)
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // t15_o: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [fused] reshape o (gpt_block.ccn:132)
   coconet::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [fused] reshape t17_ap (gpt_block.ccn)
   coconet::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [fused] matmul ap (gpt_block.ccn:133)
   coconet::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f1 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -237,6 +296,8 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::round_up(coconet::fused_chunk_elems(), S_H), compute_f1, {coconet::gather_target(v_n2, S_B * S_S * S_H)}, coconet::round_up(coconet::kProgressElems, S_H));
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [fused] matmul hm (gpt_block.ccn:138)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -265,9 +326,15 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // loop h: the epilogue of the matmul above
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [fused] matmul mp (gpt_block.ccn:140)
   coconet::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f2 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -296,6 +363,7 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_mp, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::fused_chunk_elems(), compute_f2, {});
+  trace_33.end();
 }
 
 }  // namespace coconet_gen

@@ -156,16 +156,27 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
+  coconet::trace::Unit trace_0(0);
   // [backward] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [backward] reshape qm_reshape (gpt_block.ccn:124)
   coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [backward] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [backward] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [backward] reshape q_reshape (gpt_block.ccn:125)
   coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [backward] loop: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -202,24 +213,44 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [backward] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [backward] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [backward] reshape k_reshape (gpt_block.ccn:126)
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [backward] matmul k_matmul (gpt_block.ccn:126)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [backward] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [backward] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [backward] reshape v_reshape (gpt_block.ccn:127)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [backward] matmul v_matmul (gpt_block.ccn:127)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [backward] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [backward] loop: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -256,27 +287,55 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [backward] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [backward] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // s_transpose: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // s_matmul: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // s, p_where: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // p: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // a: part of the forward attention call (plan: attention)
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // o_matmul: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [backward] transpose o_transpose (gpt_block.ccn:132)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [backward] reshape o (gpt_block.ccn:132)
   coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [backward] reshape ap_reshape (gpt_block.ccn:133)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [backward] matmul ap (gpt_block.ccn:133)
   coconet::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [backward] reducescatter at (gpt_block.ccn:134)
   coconet::reduce_scatter(coconet::Op::sum, v_ap, v_at, S_B, S_S, S_H, comm);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [backward] loop: x1_add, x1_dropout, x1 (gpt_block.ccn:135)
   const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
   const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
@@ -321,12 +380,20 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [backward] layernorm n2s (gpt_block.ccn:136)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s);
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [backward] allgather n2 (gpt_block.ccn:137)
   coconet::allgather(v_n2s, v_n2, S_B, S_S, S_H, comm);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [backward] matmul hm (gpt_block.ccn:138)
   coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [backward] loop: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -369,6 +436,8 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [backward] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
@@ -412,8 +481,12 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -423,8 +496,12 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     coconet::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
     ov.progress();
   });
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [backward] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [backward] loop: g_h_add (gpt_block.ccn)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -458,8 +535,12 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   const int64_t off_f3 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
@@ -511,66 +592,140 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)});
   });
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // [backward] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // [backward] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // t0_g_a: part of the backward attention call (plan: attention)
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // g_a: part of the backward attention call (plan: attention)
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // t1_g_v: part of the backward attention call (plan: attention)
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // g_v: part of the backward attention call (plan: attention)
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // g_p: part of the backward attention call (plan: attention)
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // t2_g_rows: part of the backward attention call (plan: attention)
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // g_rows: part of the backward attention call (plan: attention)
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // t3_g_q: part of the backward attention call (plan: attention)
+  trace_58.end();
+  coconet::trace::Unit trace_59(59);
   // g_q: part of the backward attention call (plan: attention)
+  trace_59.end();
+  coconet::trace::Unit trace_60(60);
   // t4_g_s_transpose: part of the backward attention call (plan: attention)
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // g_s_transpose: part of the backward attention call (plan: attention)
+  trace_61.end();
+  coconet::trace::Unit trace_62(62);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, false);
+  trace_62.end();
+  coconet::trace::Unit trace_63(63);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_63.end();
+  coconet::trace::Unit trace_64(64);
   // [backward] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_64.end();
+  coconet::trace::Unit trace_65(65);
   // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_65.end();
+  coconet::trace::Unit trace_66(66);
   // [backward] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_66.end();
+  coconet::trace::Unit trace_67(67);
   // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_67.end();
+  coconet::trace::Unit trace_68(68);
   // [backward] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_68.end();
+  coconet::trace::Unit trace_69(69);
   // [backward] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_69.end();
+  coconet::trace::Unit trace_70(70);
   // [backward] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_70.end();
+  coconet::trace::Unit trace_71(71);
   // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_71.end();
+  coconet::trace::Unit trace_72(72);
   // [backward] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_72.end();
+  coconet::trace::Unit trace_73(73);
   // [backward] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_73.end();
+  coconet::trace::Unit trace_74(74);
   // [backward] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_74.end();
+  coconet::trace::Unit trace_75(75);
   // [backward] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_75.end();
+  coconet::trace::Unit trace_76(76);
   // [backward] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_76.end();
+  coconet::trace::Unit trace_77(77);
   // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -584,29 +739,54 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_reduce_scatter(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
   });
+  trace_77.end();
+  coconet::trace::Unit trace_78(78);
   // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_78.end();
+  coconet::trace::Unit trace_79(79);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_79.end();
+  coconet::trace::Unit trace_80(80);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_80.end();
+  coconet::trace::Unit trace_81(81);
   // loop d_x: the epilogue of the layernorm_dx above
+  trace_81.end();
+  coconet::trace::Unit trace_82(82);
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_82.end();
+  coconet::trace::Unit trace_83(83);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_83.end();
+  coconet::trace::Unit trace_84(84);
   // [backward] allreduce d_b_proj (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
+  trace_84.end();
+  coconet::trace::Unit trace_85(85);
   // [backward] allreduce d_ln2_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
+  trace_85.end();
+  coconet::trace::Unit trace_86(86);
   // [backward] allreduce d_ln2_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
+  trace_86.end();
+  coconet::trace::Unit trace_87(87);
   // [backward] allreduce d_bo (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
+  trace_87.end();
+  coconet::trace::Unit trace_88(88);
   // [backward] allreduce d_ln1_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
+  trace_88.end();
+  coconet::trace::Unit trace_89(89);
   // [backward] allreduce d_ln1_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_b_part, v_d_ln1_b, S_H, comm);
+  trace_89.end();
 }
 
 }  // namespace coconet_gen

@@ -160,16 +160,27 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
+  coconet::trace::Unit trace_0(0);
   // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] reshape qm_reshape (gpt_block.ccn:124)
   coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] allgather n1 (gpt_block.ccn:123)
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] matmul qm (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] reshape q_reshape (gpt_block.ccn:125)
   coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [default] loop: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -206,24 +217,44 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [default] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [default] reshape k_reshape (gpt_block.ccn:126)
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [default] matmul k_matmul (gpt_block.ccn:126)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [default] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [default] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [default] reshape v_reshape (gpt_block.ccn:127)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [default] matmul v_matmul (gpt_block.ccn:127)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [default] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [default] loop: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -260,27 +291,55 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [default] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [default] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // s_transpose: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // s_matmul: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // s, p_where: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // p: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // a: part of the forward attention call (plan: attention)
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // o_matmul: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [default] transpose o_transpose (gpt_block.ccn:132)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [default] reshape o (gpt_block.ccn:132)
   coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [default] reshape ap_reshape (gpt_block.ccn:133)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [default] matmul ap (gpt_block.ccn:133)
   coconet::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [default] reducescatter at (gpt_block.ccn:134)
   coconet::reduce_scatter(coconet::Op::sum, v_ap, v_at, S_B, S_S, S_H, comm);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [default] loop: x1_add, x1_dropout, x1 (gpt_block.ccn:135)
   const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
   const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
@@ -325,12 +384,20 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s);
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [default] allgather n2 (gpt_block.ccn:137)
   coconet::allgather(v_n2s, v_n2, S_B, S_S, S_H, comm);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [default] matmul hm (gpt_block.ccn:138)
   coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [default] loop: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -373,6 +440,8 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [default] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
@@ -416,14 +485,24 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [default] allgather g_allgather2 (gpt_block.ccn)
   coconet::allgather(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, comm);
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [default] loop: g_h_add (gpt_block.ccn)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -457,21 +536,39 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // [default] reducescatter g_n2s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, comm);
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // loop g_x1: the epilogue of the layernorm_dx above
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // [default] loop: g_x1_add (gpt_block.ccn)
   const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
@@ -515,68 +612,144 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_bo_part[col] = coconet::from_compute<float>(part_g_bo_part[col]);
   }
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [default] sum_lead g_bo_part (gpt_block.ccn)
   // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // [default] allgather g_allgather4 (gpt_block.ccn)
   coconet::allgather(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, comm);
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // t1_g_a: part of the backward attention call (plan: attention)
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // g_a: part of the backward attention call (plan: attention)
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // t2_g_v: part of the backward attention call (plan: attention)
+  trace_58.end();
+  coconet::trace::Unit trace_59(59);
   // g_v: part of the backward attention call (plan: attention)
+  trace_59.end();
+  coconet::trace::Unit trace_60(60);
   // g_p: part of the backward attention call (plan: attention)
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // t3_g_rows: part of the backward attention call (plan: attention)
+  trace_61.end();
+  coconet::trace::Unit trace_62(62);
   // g_rows: part of the backward attention call (plan: attention)
+  trace_62.end();
+  coconet::trace::Unit trace_63(63);
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  trace_63.end();
+  coconet::trace::Unit trace_64(64);
   // t4_g_q: part of the backward attention call (plan: attention)
+  trace_64.end();
+  coconet::trace::Unit trace_65(65);
   // g_q: part of the backward attention call (plan: attention)
+  trace_65.end();
+  coconet::trace::Unit trace_66(66);
   // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  trace_66.end();
+  coconet::trace::Unit trace_67(67);
   // g_s_transpose: part of the backward attention call (plan: attention)
+  trace_67.end();
+  coconet::trace::Unit trace_68(68);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, false);
+  trace_68.end();
+  coconet::trace::Unit trace_69(69);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_69.end();
+  coconet::trace::Unit trace_70(70);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_70.end();
+  coconet::trace::Unit trace_71(71);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_71.end();
+  coconet::trace::Unit trace_72(72);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_72.end();
+  coconet::trace::Unit trace_73(73);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_73.end();
+  coconet::trace::Unit trace_74(74);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_74.end();
+  coconet::trace::Unit trace_75(75);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_75.end();
+  coconet::trace::Unit trace_76(76);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_76.end();
+  coconet::trace::Unit trace_77(77);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_77.end();
+  coconet::trace::Unit trace_78(78);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_78.end();
+  coconet::trace::Unit trace_79(79);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_79.end();
+  coconet::trace::Unit trace_80(80);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_80.end();
+  coconet::trace::Unit trace_81(81);
   // [default] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_81.end();
+  coconet::trace::Unit trace_82(82);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_82.end();
+  coconet::trace::Unit trace_83(83);
   // [default] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_83.end();
+  coconet::trace::Unit trace_84(84);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_84.end();
+  coconet::trace::Unit trace_85(85);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_85.end();
+  coconet::trace::Unit trace_86(86);
   // [default] loop: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -597,31 +770,58 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_86.end();
+  coconet::trace::Unit trace_87(87);
   // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_87.end();
+  coconet::trace::Unit trace_88(88);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_88.end();
+  coconet::trace::Unit trace_89(89);
   // [default] reducescatter g_n1s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, comm);
+  trace_89.end();
+  coconet::trace::Unit trace_90(90);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_90.end();
+  coconet::trace::Unit trace_91(91);
   // loop d_x: the epilogue of the layernorm_dx above
+  trace_91.end();
+  coconet::trace::Unit trace_92(92);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_92.end();
+  coconet::trace::Unit trace_93(93);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_93.end();
+  coconet::trace::Unit trace_94(94);
   // [default] allreduce d_b_proj (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
+  trace_94.end();
+  coconet::trace::Unit trace_95(95);
   // [default] allreduce d_ln2_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
+  trace_95.end();
+  coconet::trace::Unit trace_96(96);
   // [default] allreduce d_ln2_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
+  trace_96.end();
+  coconet::trace::Unit trace_97(97);
   // [default] allreduce d_bo (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
+  trace_97.end();
+  coconet::trace::Unit trace_98(98);
   // [default] allreduce d_ln1_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
+  trace_98.end();
+  coconet::trace::Unit trace_99(99);
   // [default] allreduce d_ln1_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_b_part, v_d_ln1_b, S_H, comm);
+  trace_99.end();
 }
 
 }  // namespace coconet_gen

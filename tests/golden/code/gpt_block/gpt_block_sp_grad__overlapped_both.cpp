@@ -154,10 +154,15 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
   coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
   coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
+  coconet::trace::Unit trace_0(0);
   // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [overlapped_both] reshape qm_reshape (gpt_block.ccn:124)
   coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
   const auto* const bp_qm = coconet::gemm_prepare_b<float>(v_qm_reshape, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   const int64_t bld_qm = coconet::gemm_b_ld<float>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
@@ -168,8 +173,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_n1 + (r.begin * S_S) * S_H, S_H, bp_qm, bld_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });
   });
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [overlapped_both] reshape q_reshape (gpt_block.ccn:125)
   coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [overlapped_both] loop: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -206,24 +215,44 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [overlapped_both] reshape k_reshape (gpt_block.ccn:126)
   coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [overlapped_both] matmul k_matmul (gpt_block.ccn:126)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [overlapped_both] reshape v_reshape (gpt_block.ccn:127)
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [overlapped_both] matmul v_matmul (gpt_block.ccn:127)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [overlapped_both] loop: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -260,23 +289,47 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // s_transpose: part of the forward attention call (plan: attention)
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // s_matmul: part of the forward attention call (plan: attention)
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // s, p_where: part of the forward attention call (plan: attention)
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // p: part of the forward attention call (plan: attention)
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // a: part of the forward attention call (plan: attention)
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // o_matmul: part of the forward attention call (plan: attention)
   coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [overlapped_both] transpose o_transpose (gpt_block.ccn:132)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [overlapped_both] reshape o (gpt_block.ccn:132)
   coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)");
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [overlapped_both] reshape ap_reshape (gpt_block.ccn:133)
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:209)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_ap_reshape, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
@@ -328,6 +381,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_n2 + (r.begin * S_S) * S_H, S_H, bp_hm, bld_hm, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });
   });
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [overlapped_both] loop: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -370,6 +425,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [overlapped_both] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
@@ -413,8 +470,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [overlapped_both] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:211)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -424,8 +485,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     coconet::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
     ov.progress();
   });
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [overlapped_both] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [overlapped_both] loop: g_h_add (gpt_block.ccn)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -459,8 +524,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [overlapped_both] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:213)
   const int64_t off_f3 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap_through(2, [&](int i, coconet::Overlap& ov) {
@@ -516,64 +585,136 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     coconet::matmul_nt<float>(v_g_allgather4 + (r.begin * S_S) * S_H, v_ap_reshape, v_g_o + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
     ov.progress();
   });
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [overlapped_both] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [overlapped_both] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [overlapped_both] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [overlapped_both] sum_lead g_bo_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [overlapped_both] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [overlapped_both] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [overlapped_both] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [overlapped_both] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // t0_g_a: part of the backward attention call (plan: attention)
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // g_a: part of the backward attention call (plan: attention)
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // t1_g_v: part of the backward attention call (plan: attention)
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // g_v: part of the backward attention call (plan: attention)
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // g_p: part of the backward attention call (plan: attention)
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // t2_g_rows: part of the backward attention call (plan: attention)
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // g_rows: part of the backward attention call (plan: attention)
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // t3_g_q: part of the backward attention call (plan: attention)
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // g_q: part of the backward attention call (plan: attention)
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // t4_g_s_transpose: part of the backward attention call (plan: attention)
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // g_s_transpose: part of the backward attention call (plan: attention)
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, false);
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // [overlapped_both] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // [overlapped_both] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // [overlapped_both] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_58.end();
+  coconet::trace::Unit trace_59(59);
   // [overlapped_both] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_59.end();
+  coconet::trace::Unit trace_60(60);
   // [overlapped_both] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // [overlapped_both] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_61.end();
+  coconet::trace::Unit trace_62(62);
   // [overlapped_both] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_62.end();
+  coconet::trace::Unit trace_63(63);
   // [overlapped_both] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_63.end();
+  coconet::trace::Unit trace_64(64);
   // [overlapped_both] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_64.end();
+  coconet::trace::Unit trace_65(65);
   // [overlapped_both] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_65.end();
+  coconet::trace::Unit trace_66(66);
   // [overlapped_both] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  trace_66.end();
+  coconet::trace::Unit trace_67(67);
   // [overlapped_both] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_67.end();
+  coconet::trace::Unit trace_68(68);
   // [overlapped_both] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_68.end();
+  coconet::trace::Unit trace_69(69);
   // [overlapped_both] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_69.end();
+  coconet::trace::Unit trace_70(70);
   // [overlapped_both] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:215)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -587,29 +728,54 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_reduce_scatter(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
   });
+  trace_70.end();
+  coconet::trace::Unit trace_71(71);
   // [overlapped_both] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  trace_71.end();
+  coconet::trace::Unit trace_72(72);
   // [overlapped_both] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_72.end();
+  coconet::trace::Unit trace_73(73);
   // [overlapped_both] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_73.end();
+  coconet::trace::Unit trace_74(74);
   // loop d_x: the epilogue of the layernorm_dx above
+  trace_74.end();
+  coconet::trace::Unit trace_75(75);
   // [overlapped_both] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_75.end();
+  coconet::trace::Unit trace_76(76);
   // [overlapped_both] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  trace_76.end();
+  coconet::trace::Unit trace_77(77);
   // [overlapped_both] allreduce d_b_proj (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
+  trace_77.end();
+  coconet::trace::Unit trace_78(78);
   // [overlapped_both] allreduce d_ln2_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
+  trace_78.end();
+  coconet::trace::Unit trace_79(79);
   // [overlapped_both] allreduce d_ln2_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
+  trace_79.end();
+  coconet::trace::Unit trace_80(80);
   // [overlapped_both] allreduce d_bo (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
+  trace_80.end();
+  coconet::trace::Unit trace_81(81);
   // [overlapped_both] allreduce d_ln1_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
+  trace_81.end();
+  coconet::trace::Unit trace_82(82);
   // [overlapped_both] allreduce d_ln1_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_b_part, v_d_ln1_b, S_H, comm);
+  trace_82.end();
 }
 
 }  // namespace coconet_gen

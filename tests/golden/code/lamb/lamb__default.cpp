@@ -29,8 +29,11 @@ void lamb__default(const coconet::CallArgs& a) {
   float* const v_r = coconet::scratch<float, 4>(S_N);
   float* const v_t0_w1 = coconet::scratch<float, 5>(S_N);
   float* const v_t1_w1 = coconet::scratch<float, 6>(S_N);
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (lamb.ccn:5)
   coconet::allreduce(coconet::Op::avg, p_g, coconet::Segments<float>::one(v_g1, S_N), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: m1 (lamb.ccn:6)
   const float k0_m1 = coconet::to_compute(v_beta1[0]);
   const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -47,6 +50,8 @@ void lamb__default(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] loop: v1 (lamb.ccn:7)
   const float k2_v1 = coconet::to_compute(v_beta2[0]);
   const float k3_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
@@ -63,6 +68,8 @@ void lamb__default(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: r (lamb.ccn:8)
   const float k4_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
   const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
@@ -81,10 +88,16 @@ void lamb__default(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] reduce t0_w1 = segment_norm(w) (lamb.ccn)
   coconet::segment_norm(p_w, v_t0_w1, S_N, int64_t(0), seg_starts, false, comm);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [default] reduce t1_w1 = segment_norm(r) (lamb.ccn)
   coconet::segment_norm(v_r, v_t1_w1, S_N, int64_t(0), seg_starts, false, comm);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] loop: w1 (lamb.ccn:9)
   const float k8_w1 = coconet::to_compute(v_lr[0]);
   {
@@ -100,8 +113,13 @@ void lamb__default(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   coconet::copy_in(v_m1, p_m, 0, S_N);  // update m
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   coconet::copy_in(v_v1, p_v, 0, S_N);  // update v
+  trace_8.end();
 }
 
 }  // namespace coconet_gen

@@ -30,8 +30,11 @@ void lamb__rs_c_ag(const coconet::CallArgs& a) {
   float* const v_t0_w1 = coconet::scratch<float, 5>(S_N);
   float* const v_t1_w1 = coconet::scratch<float, 6>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_w1 = coconet::scratch<float, 7>(coconet::slice_range(S_N, comm.size, comm.rank).size());
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] reducescatter rs (lamb.ccn:5)
   coconet::reduce_scatter(coconet::Op::avg, p_g, v_rs, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] loop: m1 (lamb.ccn:6)
   const float k0_m1 = coconet::to_compute(v_beta1[0]);
   const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -48,6 +51,8 @@ void lamb__rs_c_ag(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] loop: v1 (lamb.ccn:7)
   const float k2_v1 = coconet::to_compute(v_beta2[0]);
   const float k3_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
@@ -64,6 +69,8 @@ void lamb__rs_c_ag(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_c_ag] loop: r (lamb.ccn:8)
   const float k4_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
   const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
@@ -82,10 +89,16 @@ void lamb__rs_c_ag(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rs_c_ag] reduce t0_w1 = segment_norm(w) (lamb.ccn)
   coconet::segment_norm(p_w, v_t0_w1, S_N, int64_t(0), seg_starts, false, comm);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [rs_c_ag] reduce t1_w1 = segment_norm(r) (lamb.ccn)
   coconet::segment_norm(v_r, v_t1_w1, coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::slice_range(S_N, comm.size, comm.rank).begin, seg_starts, true, comm);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [rs_c_ag] loop: w1 (lamb.ccn:9)
   const float k8_w1 = coconet::to_compute(v_lr[0]);
   {
@@ -101,12 +114,19 @@ void lamb__rs_c_ag(const coconet::CallArgs& a) {
       }
     }
   }
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [rs_c_ag] allgather agm (lamb.ccn:14)
   coconet::allgather(v_m1, p_m, comm);  // straight into m's segments
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [rs_c_ag] allgather agv (lamb.ccn:14)
   coconet::allgather(v_v1, p_v, comm);  // straight into v's segments
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [rs_c_ag] allgather agw (lamb.ccn:14)
   coconet::allgather(v_w1, p_w, comm);  // straight into w's segments
+  trace_9.end();
 }
 
 }  // namespace coconet_gen

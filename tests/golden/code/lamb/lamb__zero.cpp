@@ -29,6 +29,7 @@ void lamb__zero(const coconet::CallArgs& a) {
   float* const v_t0_w1 = coconet::scratch<float, 2>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_t1_w1 = coconet::scratch<float, 3>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_w1 = coconet::scratch<float, 4>(coconet::slice_range(S_N, comm.size, comm.rank).size());
+  coconet::trace::Unit trace_0(0);
   // [zero] fused collective fused0: rs, m1, v1, r (lamb.ccn:21)
   std::vector<double> pa_t0_w1(seg_starts.size() - 1, 0.0);
   std::vector<double> pa_t1_w1(seg_starts.size() - 1, 0.0);
@@ -102,6 +103,7 @@ void lamb__zero(const coconet::CallArgs& a) {
     coconet::copy_in(v_w1 + lo, p_w, gb, ge);
   };
   coconet::compute_ag<float>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(p_w)});
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

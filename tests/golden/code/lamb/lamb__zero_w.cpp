@@ -29,6 +29,7 @@ void lamb__zero_w(const coconet::CallArgs& a) {
   float* const v_t0_w1 = coconet::scratch<float, 2>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_t1_w1 = coconet::scratch<float, 3>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_w1 = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [zero_w] fused collective fused0: rs, m1, v1, r (lamb.ccn:31)
   std::vector<double> pa_t0_w1(seg_starts.size() - 1, 0.0);
   std::vector<double> pa_t1_w1(seg_starts.size() - 1, 0.0);
@@ -98,6 +99,7 @@ void lamb__zero_w(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -23,8 +23,11 @@ void attn_out__default(const coconet::CallArgs& a) {
   float* const v_s = coconet::scratch<float, 1>(S_B * S_S * S_H);
   float* const v_h = a.output<float>(1);
   float* const v_out = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce s (layernorm.ccn:4)
   coconet::allreduce(coconet::Op::sum, v_y, v_s, S_B * S_S * S_H, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: h (layernorm.ccn:5)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -61,8 +64,11 @@ void attn_out__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] layernorm out (layernorm.ccn:6)
   coconet::layernorm<float>(v_h, v_gamma, v_beta, 1e-05, S_B * S_S, S_H, v_out);
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

@@ -23,6 +23,7 @@ void attn_out__fused(const coconet::CallArgs& a) {
   float* const v_ago = a.output<float>(0);
   float* const v_h = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_agh = a.output<float>(1);
+  coconet::trace::Unit trace_0(0);
   // [fused] fused collective fused0: rs, h, out, ago (layernorm.ccn:19)
   const int64_t off_fused0 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -55,8 +56,11 @@ void attn_out__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_y, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::round_up(coconet::fused_chunk_elems(), S_H), compute_fused0, {coconet::gather_target(v_ago, S_B * S_S * S_H)}, coconet::round_up(coconet::kProgressElems, S_H));
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [fused] allgather agh (layernorm.ccn:18)
   coconet::allgather(v_h, v_agh, S_B, S_S, S_H, comm);
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

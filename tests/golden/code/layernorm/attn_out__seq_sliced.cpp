@@ -25,8 +25,11 @@ void attn_out__seq_sliced(const coconet::CallArgs& a) {
   float* const v_out = coconet::scratch<float, 3>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_agh = a.output<float>(1);
   float* const v_ago = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [seq_sliced] reducescatter rs (layernorm.ccn:4)
   coconet::reduce_scatter(coconet::Op::sum, v_y, v_rs, S_B, S_S, S_H, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [seq_sliced] loop: h (layernorm.ccn:5)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -63,12 +66,19 @@ void attn_out__seq_sliced(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [seq_sliced] layernorm out (layernorm.ccn:6)
   coconet::layernorm<float>(v_h, v_gamma, v_beta, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_out);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [seq_sliced] allgather agh (layernorm.ccn:13)
   coconet::allgather(v_h, v_agh, S_B, S_S, S_H, comm);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [seq_sliced] allgather ago (layernorm.ccn:13)
   coconet::allgather(v_out, v_ago, S_B, S_S, S_H, comm);
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

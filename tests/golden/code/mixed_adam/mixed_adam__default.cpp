@@ -29,8 +29,11 @@ void mixed_adam__default(const coconet::CallArgs& a) {
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
   coconet::half* const v_h1 = v_w16;  // updates w16 in place
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (mixed_adam.ccn:6)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: gf, m1, v1, w1 (mixed_adam.ccn:7)
   const float k0_gf = coconet::to_compute(v_scale[0]);
   const float k1_m1 = coconet::to_compute(v_beta1[0]);
@@ -72,6 +75,8 @@ void mixed_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] loop: h1 (mixed_adam.ccn:11)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -92,6 +97,7 @@ void mixed_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

@@ -29,6 +29,7 @@ void mixed_adam__zero(const coconet::CallArgs& a) {
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
   coconet::half* const v_h1 = v_agh + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::trace::Unit trace_0(0);
   // [zero] fused collective fused0: rs, gf, m1, v1, w1, h1, agh (mixed_adam.ccn:18)
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -59,6 +60,7 @@ void mixed_adam__zero(const coconet::CallArgs& a) {
       }
   };
   coconet::fused_rs_compute_ag<coconet::half>(coconet::Op::sum, coconet::Segments<const coconet::half>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {coconet::gather_target(v_agh, S_N)});
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -24,10 +24,15 @@ void mlp_out__default(const coconet::CallArgs& a) {
   coconet::half* const v_y = coconet::shared_scratch<coconet::half, 1>(comm, S_B * S_S * S_H);
   coconet::half* const v_s = coconet::scratch<coconet::half, 2>(S_B * S_S * S_H);
   coconet::half* const v_out = a.output<coconet::half>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] matmul y (mlp_out.ccn:4)
   coconet::matmul<coconet::half>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] allreduce s (mlp_out.ccn:5)
   coconet::allreduce(coconet::Op::sum, v_y, v_s, S_B * S_S * S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] loop: out (mlp_out.ccn:6)
   const int64_t k0_out = coconet::to_compute(v_seed[0]);
   {
@@ -65,6 +70,7 @@ void mlp_out__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

@@ -23,8 +23,11 @@ void mlp_out__fused(const coconet::CallArgs& a) {
   const int64_t v_seed[1] = {int64_t(a.iscalars[0])};
   coconet::half* const v_y = coconet::shared_scratch<coconet::half, 1>(comm, S_B * S_S * S_H);
   coconet::half* const v_ago = a.output<coconet::half>(0);
+  coconet::trace::Unit trace_0(0);
   // [fused] matmul y (mlp_out.ccn:4)
   coconet::matmul<coconet::half>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [fused] fused collective f: rs, out, ago (mlp_out.ccn:22)
   const int64_t off_f = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f = [&](int64_t gb, int64_t ge, const float* red) {
@@ -52,6 +55,7 @@ void mlp_out__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<coconet::half>(coconet::Op::sum, coconet::Segments<const coconet::half>::one(v_y, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::fused_chunk_elems(), compute_f, {coconet::gather_target(v_ago, S_B * S_S * S_H)});
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

@@ -24,6 +24,7 @@ void mlp_out__overlap_ar(const coconet::CallArgs& a) {
   coconet::half* const v_y = coconet::scratch<coconet::half, 1>(S_B * S_S * S_H);
   coconet::half* const v_s = coconet::scratch<coconet::half, 2>(S_B * S_S * S_H);
   coconet::half* const v_out = a.output<coconet::half>(0);
+  coconet::trace::Unit trace_0(0);
   // [overlap_ar] overlap y -> s: 2 chunks along dim 0 (mlp_out.ccn:33)
   const auto* const bp_y = coconet::gemm_prepare_b<coconet::half>(v_w, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_y = coconet::gemm_b_ld<coconet::half>(S_H, S_H);
@@ -34,6 +35,8 @@ void mlp_out__overlap_ar(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allreduce(coconet::Op::sum, v_y + r.begin * S_S * S_H, v_s + r.begin * S_S * S_H, r.size() * S_S * S_H, comm, channel);
   });
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [overlap_ar] loop: out (mlp_out.ccn:6)
   const int64_t k0_out = coconet::to_compute(v_seed[0]);
   {
@@ -71,6 +74,7 @@ void mlp_out__overlap_ar(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

@@ -23,6 +23,7 @@ void mlp_out__overlapped(const coconet::CallArgs& a) {
   const int64_t v_seed[1] = {int64_t(a.iscalars[0])};
   coconet::half* const v_y = coconet::scratch<coconet::half, 1>(S_B * S_S * S_H);
   coconet::half* const v_ago = a.output<coconet::half>(0);
+  coconet::trace::Unit trace_0(0);
   // [overlapped] overlap y -> rs: 4 chunks along dim 0 (mlp_out.ccn:14)
   const int64_t off_f = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_y = coconet::gemm_prepare_b<coconet::half>(v_w, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, S_H);
@@ -60,6 +61,7 @@ void mlp_out__overlapped(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<coconet::half>(coconet::Op::sum, coconet::Segments<const coconet::half>::one(v_y + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute, {coconet::gather_target(v_ago + base, count)});
   });
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -25,10 +25,15 @@ void mlp_out__rs_c_ag(const coconet::CallArgs& a) {
   coconet::half* const v_rs = coconet::scratch<coconet::half, 2>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   coconet::half* const v_out = coconet::scratch<coconet::half, 3>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   coconet::half* const v_ago = a.output<coconet::half>(0);
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] matmul y (mlp_out.ccn:4)
   coconet::matmul<coconet::half>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] reducescatter rs (mlp_out.ccn:5)
   coconet::reduce_scatter(coconet::Op::sum, v_y, v_rs, S_B, S_S, S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] loop: out (mlp_out.ccn:6)
   const int64_t k0_out = coconet::to_compute(v_seed[0]);
   {
@@ -66,8 +71,11 @@ void mlp_out__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_c_ag] allgather ago (mlp_out.ccn:28)
   coconet::allgather(v_out, v_ago, S_B, S_S, S_H, comm);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -20,8 +20,11 @@ void stage__default(const coconet::CallArgs& a) {
   float* const v_s = coconet::scratch<float, 1>(S_B * S_H);
   float* const v_h = coconet::scratch<float, 2>(S_B * S_H);
   float* const v_nxt = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce s (pipeline.ccn:4)
   coconet::allreduce(coconet::Op::sum, v_y, v_s, S_B * S_H, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: h (pipeline.ccn:5)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -55,8 +58,11 @@ void stage__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] send nxt (pipeline.ccn:6)
   coconet::send_shift(v_h, v_nxt, S_B * S_H, coconet::Direction::next, comm);
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

@@ -21,8 +21,11 @@ void stage__sliced_p2p(const coconet::CallArgs& a) {
   float* const v_h = coconet::scratch<float, 2>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_nxt = coconet::scratch<float, 3>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_agn = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [sliced_p2p] reducescatter rs (pipeline.ccn:4)
   coconet::reduce_scatter(coconet::Op::sum, v_y, v_rs, int64_t(1), S_B, S_H, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [sliced_p2p] loop: h (pipeline.ccn:5)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -56,10 +59,15 @@ void stage__sliced_p2p(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [sliced_p2p] send nxt (pipeline.ccn:6)
   coconet::send_shift(v_h, v_nxt, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::Direction::next, comm);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [sliced_p2p] allgather agn (pipeline.ccn:12)
   coconet::allgather(v_nxt, v_agn, int64_t(1), S_B, S_H, comm);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -21,8 +21,11 @@ void f1__default(const coconet::CallArgs& a) {
   const int64_t v_seed[1] = {int64_t(a.iscalars[0])};
   float* const v_s = coconet::scratch<float, 1>(S_B * S_S * S_H);
   float* const v_h = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce s (residual_dropout.ccn:4)
   coconet::allreduce(coconet::Op::sum, v_y, v_s, S_B * S_S * S_H, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: h (residual_dropout.ccn:5)
   const int64_t k0_h = coconet::to_compute(v_seed[0]);
   {
@@ -60,6 +63,7 @@ void f1__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

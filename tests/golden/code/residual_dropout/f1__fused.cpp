@@ -20,6 +20,7 @@ void f1__fused(const coconet::CallArgs& a) {
   float* const v_r = a.tensor<float>(2);
   const int64_t v_seed[1] = {int64_t(a.iscalars[0])};
   float* const v_agh = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [fused] fused collective fused0: rs, h, agh (residual_dropout.ccn:11)
   const int64_t off_fused0 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -47,6 +48,7 @@ void f1__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_y, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::fused_chunk_elems(), compute_fused0, {coconet::gather_target(v_agh, S_B * S_S * S_H)});
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

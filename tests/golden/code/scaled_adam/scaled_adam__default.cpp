@@ -33,8 +33,11 @@ void scaled_adam__default(const coconet::CallArgs& a) {
   float* const v_w1 = v_w;  // updates w in place
   coconet::half* const v_h1 = v_w16;  // updates w16 in place
   float* const v_newscale = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (scaled_adam.ccn:11)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: gf (scaled_adam.ccn:12)
   const float k0_gf = coconet::to_compute(v_scale[0]);
   {
@@ -56,6 +59,8 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] loop: t0_bad (scaled_adam.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -76,10 +81,14 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] reduce bad = sum(t0_bad) (scaled_adam.ccn:13)
   { double acc = coconet::sum_of(v_t0_bad, S_N);
     acc = coconet::reduce_partial(acc, false, comm);
     v_bad[0] = coconet::from_compute<float>(static_cast<float>(acc)); }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] loop: m1, v1, w1 (scaled_adam.ccn:14)
   const bool k1_m1 = coconet::to_compute(v_bad[0]) > 0.0f;
   const float k2_m1 = coconet::to_compute(v_beta1[0]);
@@ -121,6 +130,8 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [default] loop: h1 (scaled_adam.ccn:17)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -141,6 +152,8 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] loop: newscale (scaled_adam.ccn:18)
   const float k12_newscale = ((coconet::to_compute(v_bad[0]) > 0.0f) ? float(coconet::to_compute(v_scale[0]) * 0.5f) : float(coconet::to_compute(v_scale[0])));
   {
@@ -162,6 +175,7 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_6.end();
 }
 
 }  // namespace coconet_gen

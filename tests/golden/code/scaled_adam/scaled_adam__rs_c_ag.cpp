@@ -37,8 +37,11 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
   float* const v_agv = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
   coconet::half* const v_agh = v_w16;  // updates w16 in place
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] reducescatter rs (scaled_adam.ccn:11)
   coconet::reduce_scatter(coconet::Op::sum, v_g, v_rs, int64_t(1), S_N, int64_t(1), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] loop: gf (scaled_adam.ccn:12)
   const float k0_gf = coconet::to_compute(v_scale[0]);
   {
@@ -60,6 +63,8 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] loop: t0_bad (scaled_adam.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -80,10 +85,14 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_c_ag] reduce bad = sum(t0_bad) (scaled_adam.ccn:13)
   { double acc = coconet::sum_of(v_t0_bad, coconet::slice_range(S_N, comm.size, comm.rank).size());
     acc = coconet::reduce_partial(acc, true, comm);
     v_bad[0] = coconet::from_compute<float>(static_cast<float>(acc)); }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rs_c_ag] loop: m1, v1, w1 (scaled_adam.ccn:14)
   const bool k1_m1 = coconet::to_compute(v_bad[0]) > 0.0f;
   const float k2_m1 = coconet::to_compute(v_beta1[0]);
@@ -125,6 +134,8 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [rs_c_ag] loop: h1 (scaled_adam.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -145,6 +156,8 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [rs_c_ag] loop: newscale (scaled_adam.ccn:18)
   const float k12_newscale = ((coconet::to_compute(v_bad[0]) > 0.0f) ? float(coconet::to_compute(v_scale[0]) * 0.5f) : float(coconet::to_compute(v_scale[0])));
   {
@@ -166,14 +179,23 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [rs_c_ag] allgather agm (scaled_adam.ccn:25)
   coconet::allgather(v_m1, v_agm, int64_t(1), S_N, int64_t(1), comm);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [rs_c_ag] allgather agv (scaled_adam.ccn:25)
   coconet::allgather(v_v1, v_agv, int64_t(1), S_N, int64_t(1), comm);
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [rs_c_ag] allgather agw (scaled_adam.ccn:25)
   coconet::allgather(v_w1, v_agw, int64_t(1), S_N, int64_t(1), comm);
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [rs_c_ag] allgather agh (scaled_adam.ccn:25)
   coconet::allgather(v_h1, v_agh, int64_t(1), S_N, int64_t(1), comm);
+  trace_10.end();
 }
 
 }  // namespace coconet_gen

@@ -33,6 +33,7 @@ void scaled_adam__zero(const coconet::CallArgs& a) {
   coconet::half* const v_agh = v_w16;  // updates w16 in place
   coconet::half* const v_h1 = v_agh + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
   float* const v_newscale = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [zero] fused collective fused0: rs, gf (scaled_adam.ccn:33)
   std::vector<double> pa_bad(1, 0.0);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
@@ -96,6 +97,8 @@ void scaled_adam__zero(const coconet::CallArgs& a) {
       }
   };
   coconet::compute_ag<coconet::half>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agh, S_N)});
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [zero] loop: newscale (scaled_adam.ccn:18)
   const float k12_newscale = ((coconet::to_compute(v_bad[0]) > 0.0f) ? float(coconet::to_compute(v_scale[0]) * 0.5f) : float(coconet::to_compute(v_scale[0])));
   {
@@ -117,6 +120,7 @@ void scaled_adam__zero(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

@@ -18,8 +18,11 @@ void sgd__default(const coconet::CallArgs& a) {
   const float v_lr[1] = {float(a.scalars[0])};
   float* const v_g1 = coconet::scratch<float, 1>(S_N);
   float* const v_w1 = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (sgd.ccn:3)
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] loop: w1 (sgd.ccn:4)
   const float k0_w1 = coconet::to_compute(v_lr[0]);
   {
@@ -41,6 +44,7 @@ void sgd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

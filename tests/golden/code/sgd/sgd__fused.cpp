@@ -18,6 +18,7 @@ void sgd__fused(const coconet::CallArgs& a) {
   const float v_lr[1] = {float(a.scalars[0])};
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::trace::Unit trace_0(0);
   // [fused] fused collective fused0: rs, w1, agw (sgd.ccn:10)
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
@@ -33,6 +34,7 @@ void sgd__fused(const coconet::CallArgs& a) {
       }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {coconet::gather_target(v_agw, S_N)});
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

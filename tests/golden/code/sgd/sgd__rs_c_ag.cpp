@@ -19,8 +19,11 @@ void sgd__rs_c_ag(const coconet::CallArgs& a) {
   float* const v_rs = coconet::scratch<float, 1>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_w1 = coconet::scratch<float, 2>(coconet::slice_range(S_N, comm.size, comm.rank).size());
   float* const v_agw = v_w;  // updates w in place
+  coconet::trace::Unit trace_0(0);
   // [rs_c_ag] reducescatter rs (sgd.ccn:3)
   coconet::reduce_scatter(coconet::Op::sum, v_g, v_rs, int64_t(1), S_N, int64_t(1), comm);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_c_ag] loop: w1 (sgd.ccn:4)
   const float k0_w1 = coconet::to_compute(v_lr[0]);
   {
@@ -42,8 +45,11 @@ void sgd__rs_c_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_c_ag] allgather agw (sgd.ccn:15)
   coconet::allgather(v_w1, v_agw, int64_t(1), S_N, int64_t(1), comm);
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

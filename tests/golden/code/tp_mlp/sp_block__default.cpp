@@ -31,10 +31,15 @@ void sp_block__default(const coconet::CallArgs& a) {
   float* const v_p = coconet::scratch<float, 5>(S_B * S_S * S_H);
   float* const v_rs = coconet::scratch<float, 6>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_y = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] layernorm n (tp_mlp.ccn:103)
   coconet::layernorm<float>(v_x, v_gamma, v_beta, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] allgather xg (tp_mlp.ccn:104)
   coconet::allgather(v_n, v_xg, S_B, S_S, S_H, comm);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] matmul a (tp_mlp.ccn:105)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -63,11 +68,19 @@ void sp_block__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // loop h: the epilogue of the matmul above
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] matmul p (tp_mlp.ccn:107)
   coconet::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [default] reducescatter rs (tp_mlp.ccn:108)
   coconet::reduce_scatter(coconet::Op::sum, v_p, v_rs, S_B, S_S, S_H, comm);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] loop: y (tp_mlp.ccn:109)
   const int64_t k0_y = coconet::to_compute(v_seed[0]);
   {
@@ -105,6 +118,7 @@ void sp_block__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_6.end();
 }
 
 }  // namespace coconet_gen

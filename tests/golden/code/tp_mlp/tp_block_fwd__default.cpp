@@ -26,6 +26,7 @@ void tp_block_fwd__default(const coconet::CallArgs& a) {
   float* const v_p = coconet::shared_scratch<float, 1>(comm, S_B * S_S * S_H);
   float* const v_s = coconet::scratch<float, 2>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] matmul a (tp_mlp.ccn:65)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -54,11 +55,19 @@ void tp_block_fwd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // loop h: the epilogue of the matmul above
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] matmul p (tp_mlp.ccn:67)
   coconet::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] allreduce s (tp_mlp.ccn:68)
   coconet::allreduce(coconet::Op::sum, v_p, v_s, S_B * S_S * S_H, comm);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] loop: y (tp_mlp.ccn:69)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -95,6 +104,7 @@ void tp_block_fwd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
 }
 
 }  // namespace coconet_gen

@@ -25,6 +25,7 @@ void tp_block_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_h = a.output<float>(2);
   float* const v_s = coconet::scratch<float, 1>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [overlapped] matmul a (tp_mlp.ccn:65)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -53,7 +54,11 @@ void tp_block_fwd__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // loop h: the epilogue of the matmul above
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [overlapped] overlap p -> s: 2 chunks along dim 1 (tp_mlp.ccn:74)
   coconet::PackedChunks<float> pk_p(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
@@ -67,6 +72,8 @@ void tp_block_fwd__overlapped(const coconet::CallArgs& a) {
     float* const Q = pk_p.out(i, S_B * r.size() * S_H);
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * r.size() * S_H, comm, channel), Q, v_s, S_B, S_S, S_H, r);
   });
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [overlapped] loop: y (tp_mlp.ccn:69)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -103,6 +110,7 @@ void tp_block_fwd__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -33,6 +33,7 @@ void tp_mlp_bwd__default(const coconet::CallArgs& a) {
   float* const v_g_x_part = coconet::shared_scratch<float, 4>(comm, S_B * S_S * S_H);
   float* const v_d_w1 = a.output<float>(1);
   float* const v_d_x = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] loop: h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -69,12 +70,20 @@ void tp_mlp_bwd__default(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   coconet::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [default] loop: g_h_add (tp_mlp.ccn)
   {  // and the column sums d_b1 of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -108,14 +117,23 @@ void tp_mlp_bwd__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b1[col] = coconet::from_compute<float>(part_d_b1[col]);
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [default] allreduce d_x (tp_mlp.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_x_part, v_d_x, S_B * S_S * S_H, comm);
+  trace_8.end();
 }
 
 }  // namespace coconet_gen

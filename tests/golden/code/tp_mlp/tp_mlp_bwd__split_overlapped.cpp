@@ -34,6 +34,7 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
   float* const v_rs = coconet::scratch<float, 5>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w1 = a.output<float>(1);
   float* const v_ag = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [split_overlapped] loop: h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -70,12 +71,20 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
   coconet::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H);
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [split_overlapped] loop: g_h_add (tp_mlp.ccn)
   {  // and the column sums d_b1 of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -109,8 +118,12 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b1[col] = coconet::from_compute<float>(part_d_b1[col]);
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -120,10 +133,15 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_reduce_scatter(coconet::Op::sum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
   });
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [split_overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [split_overlapped] allgather ag (tp_mlp.ccn)
   coconet::allgather(v_rs, v_ag, S_B, S_S, S_H, comm);
+  trace_8.end();
 }
 
 }  // namespace coconet_gen

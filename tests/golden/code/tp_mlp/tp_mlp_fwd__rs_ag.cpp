@@ -27,6 +27,7 @@ void tp_mlp_fwd__rs_ag(const coconet::CallArgs& a) {
   float* const v_rs = coconet::scratch<float, 2>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_y = coconet::scratch<float, 3>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_agy = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [rs_ag] matmul a (tp_mlp.ccn:16)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -55,11 +56,19 @@ void tp_mlp_fwd__rs_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // loop h: the epilogue of the matmul above
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [rs_ag] matmul p (tp_mlp.ccn:18)
   coconet::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [rs_ag] reducescatter rs (tp_mlp.ccn:19)
   coconet::reduce_scatter(coconet::Op::sum, v_p, v_rs, S_B, S_S, S_H, comm);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [rs_ag] loop: y (tp_mlp.ccn:20)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -96,8 +105,11 @@ void tp_mlp_fwd__rs_ag(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [rs_ag] allgather agy (tp_mlp.ccn:33)
   coconet::allgather(v_y, v_agy, S_B, S_S, S_H, comm);
+  trace_5.end();
 }
 
 }  // namespace coconet_gen

@@ -32,8 +32,11 @@ void tp_mlp_grad__overlapped_h(const coconet::CallArgs& a) {
   float* const v_d_b1 = a.output<float>(2);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_w1 = a.output<float>(1);
+  coconet::trace::Unit trace_0(0);
   // [overlapped_h] matmul a (tp_mlp.ccn:16)
   coconet::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [overlapped_h] loop: h_add, h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -76,12 +79,20 @@ void tp_mlp_grad__overlapped_h(const coconet::CallArgs& a) {
     }
     }
   }
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
   // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
   coconet::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
   coconet::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [overlapped_h] loop: g_h_add (tp_mlp.ccn)
   {  // and the column sums d_b1 of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -115,8 +126,12 @@ void tp_mlp_grad__overlapped_h(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b1[col] = coconet::from_compute<float>(part_d_b1[col]);
   }
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   coconet::PackedChunks<float> pk_g_x_part(2, S_B * S_S, S_H, int64_t(1));
   coconet::overlap(2, [&](int i) {
@@ -129,8 +144,11 @@ void tp_mlp_grad__overlapped_h(const coconet::CallArgs& a) {
     float* const Q = pk_g_x_part.out(i, S_B * S_S * r.size());
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * S_S * r.size(), comm, channel), Q, v_d_x, S_B * S_S, S_H, int64_t(1), r);
   });
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [overlapped_h] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_8.end();
 }
 
 }  // namespace coconet_gen

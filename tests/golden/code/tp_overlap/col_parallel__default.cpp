@@ -19,10 +19,14 @@ void col_parallel__default(const coconet::CallArgs& a) {
   float* const v_w = a.tensor<float>(1);
   float* const v_y = coconet::scratch<float, 1>(S_M * coconet::slice_range(S_H, comm.size, comm.rank).size());
   float* const v_s = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [default] matmul y (tp_overlap.ccn:26)
   coconet::matmul<float>(v_x, v_w, v_y, S_M, S_K, coconet::slice_range(S_H, comm.size, comm.rank).size());
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [default] allgather s (tp_overlap.ccn:27)
   coconet::allgather(v_y, v_s, S_M, S_H, int64_t(1), comm);
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

@@ -18,6 +18,7 @@ void col_parallel__gather_rows(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_w = a.tensor<float>(1);
   float* const v_s = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [gather_rows] overlap y -> s: 2 chunks along dim 0 (tp_overlap.ccn:33)
   coconet::PackedChunks<float> pk_y(2, int64_t(1), S_M, coconet::slice_range(S_H, comm.size, comm.rank).size());
   coconet::overlap(2, [&](int i) {
@@ -31,6 +32,7 @@ void col_parallel__gather_rows(const coconet::CallArgs& a) {
     float* const Q = pk_y.out(i, r.size() * S_H);
     return coconet::then_unpack(coconet::start_allgather(P, Q, r.size(), S_H, int64_t(1), comm, channel), Q, v_s, int64_t(1), S_M, S_H, r);
   });
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -19,6 +19,7 @@ void row_parallel__col_chunks(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_w = a.tensor<float>(1);
   float* const v_s = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [col_chunks] overlap y -> s: 3 chunks along dim 2 (tp_overlap.ccn:16)
   coconet::PackedChunks<float> pk_y(3, S_B * S_S, S_H, int64_t(1));
   coconet::overlap(3, [&](int i) {
@@ -31,6 +32,7 @@ void row_parallel__col_chunks(const coconet::CallArgs& a) {
     float* const Q = pk_y.out(i, S_B * S_S * r.size());
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * S_S * r.size(), comm, channel), Q, v_s, S_B * S_S, S_H, int64_t(1), r);
   });
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -20,6 +20,7 @@ void row_parallel__rs_seq(const coconet::CallArgs& a) {
   float* const v_w = a.tensor<float>(1);
   float* const v_rs = coconet::scratch<float, 1>(S_B * S_S * coconet::slice_range(S_H, comm.size, comm.rank).size());
   float* const v_ag = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [rs_seq] overlap y -> rs: 2 chunks along dim 1 (tp_overlap.ccn:22)
   coconet::PackedChunks<float> pk_y(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
@@ -33,8 +34,11 @@ void row_parallel__rs_seq(const coconet::CallArgs& a) {
     float* const Q = pk_y.out(i, S_B * r.size() * coconet::slice_range(S_H, comm.size, comm.rank).size());
     return coconet::then_unpack(coconet::start_reduce_scatter(coconet::Op::sum, P, Q, S_B * r.size(), S_H, int64_t(1), comm, channel), Q, v_rs, S_B, S_S, coconet::slice_range(S_H, comm.size, comm.rank).size(), r);
   });
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
   // [rs_seq] allgather ag (tp_overlap.ccn:5)
   coconet::allgather(v_rs, v_ag, S_B * S_S, S_H, int64_t(1), comm);
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

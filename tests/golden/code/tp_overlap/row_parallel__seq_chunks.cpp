@@ -19,6 +19,7 @@ void row_parallel__seq_chunks(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_w = a.tensor<float>(1);
   float* const v_s = a.output<float>(0);
+  coconet::trace::Unit trace_0(0);
   // [seq_chunks] overlap y -> s: 2 chunks along dim 1 (tp_overlap.ccn:11)
   coconet::PackedChunks<float> pk_y(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
@@ -32,6 +33,7 @@ void row_parallel__seq_chunks(const coconet::CallArgs& a) {
     float* const Q = pk_y.out(i, S_B * r.size() * S_H);
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * r.size() * S_H, comm, channel), Q, v_s, S_B, S_S, S_H, r);
   });
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -1,0 +1,24 @@
+"""`coconetc trace-merge FOLDER`: the ranks' trace files (coconetc.trace, COCONET_TRACE) joined
+into one Chrome-trace/Perfetto file, every rank a process of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from coconetc.runtime.trace import FILE, merge
+
+
+@click.command("trace-merge")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="The merged file (default: FOLDER/trace.json).")
+def trace_merge(folder: str, output: str | None) -> None:
+    """Join the ranks' traces in FOLDER (trace.rank<r>.json) into one file."""
+    files = sorted(Path(folder).glob(FILE.format(rank="*")))
+    if not files:
+        raise click.ClickException(f"no {FILE.format(rank='<r>')} in {folder}: run with coconetc.trace({folder!r}) "
+                                   f"or COCONET_TRACE={folder} first")
+    out = merge(files, output or Path(folder) / "trace.json")
+    click.echo(f"{out}: {len(files)} ranks")

@@ -1,0 +1,55 @@
+"""Traces (coconetc.trace, COCONET_TRACE; coconetc/runtime/trace.py, runtime_cpp/coconet/trace.h):
+a Chrome-trace/Perfetto file per rank whose units are the plan's, in its order, with the cost
+model's bytes and flops; each chunk of an overlap; the ranks' files merged; a limit on events
+and an unwritable folder each giving one warning while the calls still run; tracing leaves the
+results as they are."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from coconetc.cli import main
+from rank_checks import check, launch
+
+WORKER = Path(__file__).with_name("trace_worker.py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_trace_holds_the_plans_units_and_the_overlaps_chunks(capfd, tmp_path):
+    rc, lines, log = launch(capfd, WORKER, 2, str(tmp_path))
+    assert rc == 0, log
+    check(lines, log, ["same_results", "units_as_planned", "limited", "unwritable"])
+    res = CliRunner().invoke(main, ["trace-merge", str(tmp_path / "full")])
+    assert res.exit_code == 0, res.output
+    merged = json.loads((tmp_path / "full" / "trace.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"]} == {0, 1}
+    assert merged["otherData"] == {"ranks": [0, 1], "dropped_events": 0}
+    res = CliRunner().invoke(main, ["trace-merge", str(tmp_path)])  # no rank files there
+    assert res.exit_code != 0 and "no trace.rank<r>.json" in res.output
+
+
+ONE = """
+import numpy as np, coconetc
+mod = coconetc.load("sgd.ccn", log=lambda m: None)  # (the example that ships: none is here)
+w = np.ones(6, np.float32)
+mod.sgd(g=np.arange(6, dtype=np.float32), w=w, lr=np.float32(0.5))
+print(w.tolist())
+"""
+
+
+def test_coconet_trace_in_the_environment_traces_the_process(tmp_path):
+    """COCONET_TRACE=FOLDER: the process's calls traced, its file written when it exits."""
+    env = {**os.environ, "COCONET_TRACE": str(tmp_path / "t")}
+    res = subprocess.run([sys.executable, "-c", ONE], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.splitlines()[-1]) == [1.0, 0.5, 0.0, -0.5, -1.0, -1.5]
+    doc = json.loads((tmp_path / "t" / "trace.rank0.json").read_text())
+    names = [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert names[0].endswith(".sgd[default]") and len(names) > 1, names
