@@ -53,3 +53,24 @@ def test_coconet_trace_in_the_environment_traces_the_process(tmp_path):
     doc = json.loads((tmp_path / "t" / "trace.rank0.json").read_text())
     names = [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"]
     assert names[0].endswith(".sgd[default]") and len(names) > 1, names
+
+
+def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
+    """`coconetc explain --measure`: the schedule run traced on the ranks; a row per unit of the
+    plan with its measured, predicted and bound times, and the model's error for the call."""
+    from coconetc.plan.units import title
+    from coconetc.sourcefile import load_file
+    sgd = REPO / "examples" / "sgd.ccn"
+    res = CliRunner().invoke(main, ["explain", str(sgd), "-s", "fused", "--measure", "--size", "N=4099", "-n", "2",
+                                    "--reps", "3", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    m = json.loads(res.output[res.output.index("{"):])
+    plan = load_file(sgd).plans[("sgd", "fused")]
+    assert [r["unit"] for r in m["units"]] == [title(u) for u in plan.units]
+    assert m["calls"] == 2 and all(r["measured_s"] > 0 for r in m["units"]), m
+    assert m["predicted_over_measured"] == m["predicted_s"] / m["measured_s"]
+    for args, said in ((["-s", "fused"], "give every size (--size N=INT)"),
+                       (["--size", "N=8"], "give -s SCHEDULE"),
+                       (["-s", "nope", "--size", "N=8"], "no schedule 'nope'")):
+        res = CliRunner().invoke(main, ["explain", str(sgd), "--measure", *args])
+        assert res.exit_code != 0 and said in res.output, res.output

@@ -31,8 +31,14 @@ from coconetc.cli.options import checked_target, records_options
               help="The rates measured on a GPU (bench/cuda_gpu_check.py --kernels writes machine.json: "
                    "bandwidth_gbps, peak_tflops by dtype).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="json: the kernel listing as JSON (with --backend cuda -s S).")
-def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, bandwidth, peak, machine, fmt) -> None:
+              help="json: the kernel listing as JSON (with --backend cuda -s S), or --measure's table.")
+@click.option("--measure", is_flag=True,
+              help="Run the schedule (-s, with every size given) on --ranks ranks, traced, and print each "
+                   "unit's measured time beside the cost model's and its bound (CPU backend).")
+@click.option("--reps", type=click.IntRange(2), default=6, show_default=True,
+              help="--measure's calls (the first is a warm-up, left out).")
+def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, bandwidth, peak, machine, fmt,
+            measure, reps) -> None:
     """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
     passes over memory, kernel launches and plan units, the modelled time (the CPU backend's:
     left out for --backend cuda), and the measured time where the tuning cache has one for
@@ -49,6 +55,8 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     --kernels, which measures each unit on a GPU against its bound
     (docs/cuda.md, "Every kernel against its bound")."""
     from coconetc.tune import explain as ex
+    if measure:
+        return _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps)
     listing = backend == "cuda" and schedule is not None and schedule != "auto"
     if fmt == "json" and not listing:
         fail("coconetc: explain --format json is the kernel listing: give --backend cuda -s SCHEDULE")
@@ -85,3 +93,49 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     if fmt == "json":
         import json
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
+
+
+def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps) -> None:
+    """explain --measure: the schedule built and run on RANKS ranks (`coconetc run`'s rank
+    program, its results checked against the interpreter), every call traced (COCONET_TRACE,
+    docs/tracing.md); each unit's measured time beside the model's (tune/explain.py)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from coconetc.launch.mpiexec import run_python
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.toolchain import BuildError
+    from coconetc.tune import explain as ex
+    if backend != "cpu" or emulate or nodes != 1:
+        fail("coconetc: explain --measure runs the CPU backend on one node (no --backend cuda, --emulate, --nodes)")
+    if schedule is None or schedule == "auto":
+        fail("coconetc: explain --measure runs one schedule: give -s SCHEDULE (a name, not auto)")
+    mod = load_ccn(file)
+    if not mod.programs:
+        fail(no_program(mod))
+    name = pick_program(mod, program, schedule)
+    need = ex.symbols(mod, name)
+    given = parse_sizes(sizes, need)
+    missing = [k for k in need if k not in given]
+    if missing:
+        fail(f"coconetc: explain --measure runs the program: give every size ({' '.join(f'--size {k}=INT' for k in missing)})")
+    try:
+        ex._labels(mod, name, schedule, None)  # an unknown schedule: its error, naming the known ones
+        compile_cpu(mod)
+    except ex.ExplainError as err:
+        fail(f"coconetc: {err}")
+    except BuildError as err:
+        fail(str(err))
+    with tempfile.TemporaryDirectory(prefix="coconet_measure_") as folder:
+        argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, f"--schedule={schedule}",
+                f"--reps={reps}", *[f"--size={k}={v}" for k, v in given.items()]]
+        code = run_python(ranks, argv, env={"COCONET_TRACE": folder})
+        if code != 0:
+            fail(f"coconetc: explain --measure: the ranks failed (exit code {code})")
+        traces = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("trace.rank*.json"))]
+    try:
+        m = ex.measured_units(mod, name, schedule, ranks, given, traces)
+    except ex.ExplainError as err:
+        fail(f"coconetc: {err}")
+    click.echo(json.dumps(m, indent=1) if fmt == "json" else ex.units_table(m), nl=fmt == "json")

@@ -25,8 +25,11 @@ def fail(message: str) -> NoReturn:
 
 
 def load_ccn(path: str) -> SourceFile:
+    """The file PATH names (a bare name with no such file here: the example of that name that
+    ships with coconet, paths.source_path), loaded; a message and exit 1 if it cannot be."""
+    from coconetc.paths import source_path
     try:
-        return load_file(path)
+        return load_file(source_path(path))
     except CompileError as err:
         if DEBUG["on"]:
             traceback.print_exc()

@@ -73,10 +73,10 @@ def environment(ranks: int, local: bool = True) -> dict[str, str]:
 
 
 def run_python(ranks: int, args: list[str], timeout: float | None = None, hostfile: str | None = None,
-               hosts: str | None = None) -> int:
-    """Run `python ARGS` on R ranks (on the hosts of HOSTFILE or HOSTS when given); returns the
-    exit code (non-zero if any rank failed)."""
-    env = environment(ranks, local=not (hostfile or hosts))
+               hosts: str | None = None, env: dict[str, str] | None = None) -> int:
+    """Run `python ARGS` on R ranks (on the hosts of HOSTFILE or HOSTS when given; ENV added to
+    their environment); returns the exit code (non-zero if any rank failed)."""
+    env = {**environment(ranks, local=not (hostfile or hosts)), **(env or {})}
     cmd = command(ranks, [sys.executable, *args], hostfile=hostfile, hosts=hosts)
     try:
         return subprocess.run(cmd, env=env, timeout=timeout).returncode

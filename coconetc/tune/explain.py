@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from coconetc.plan.label import DEFAULT, parse
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
 from coconetc.runtime import tuned as cache
-from coconetc.tune.cost import cost
+from coconetc.plan.units import title
+from coconetc.tune.cost import Cost, Machine, cost
 
 
 class ExplainError(Exception):
@@ -137,6 +139,69 @@ def _units(c, algorithms: bool = True) -> list[str]:
         out.append(f"{label:<26} {_human(part.moved):>11} {_human(part.sent):>11} {part.passes:>6} "
                    f"{part.launches:>8}{algo}")
     return out
+
+
+# --- explain --measure: each unit measured (a trace of the ranks' calls) against the model ---
+
+def cpu_bound(part: Cost, m: Machine | None = None) -> float:
+    """A unit's bound on the CPU, in seconds: its slowest resource at the cost model's rates
+    (bytes through memory, bytes sent, flops), without the model's per-launch and per-collective
+    terms or the overlaps' hiding."""
+    m = m or Machine()
+    return max(part.moved / m.mem_bw, part.sent / m.link_bw, part.flops / m.flop_rate)
+
+
+def measured_units(mod: SourceFile, program: str, label: str, ranks: int, sizes: dict[str, int],
+                   traces: list[dict]) -> dict:
+    """Each unit of PROGRAM's plan under LABEL, measured in TRACES (each rank's trace file of
+    the calls, coconetc/runtime/trace.py; the first call of each rank left out as a warm-up):
+    the median over the calls of each unit's time on the slowest rank, the cost model's
+    prediction at SIZES and the unit's bound (cpu_bound); the same for the whole call, and
+    predicted / measured."""
+    plan = mod.plans[(program, parse(label).name)]
+    c = cost(plan, sizes, ranks, window=parse(label).algorithm != "p2p")
+    per_rank: list[list[list[float]]] = []  # rank -> call -> [call's own time, each unit's time]
+    for doc in traces:
+        events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+        calls = [e for e in events if e["cat"] == "call"]
+        rows = []
+        for call in calls:
+            end = call["ts"] + call["dur"]
+            units = [e for e in events if e["cat"] == "unit" and call["ts"] <= e["ts"] <= end]
+            times = [0.0] * len(plan.units)
+            for e in units:
+                times[e["args"]["unit_index"]] += e["dur"] * 1e-6
+            rows.append([sum(times), *times])
+        per_rank.append(rows[1:] if len(rows) > 1 else rows)
+    n = min((len(r) for r in per_rank), default=0)
+    if n == 0:
+        raise ExplainError(f"no traced call of {program} [{label}] was found")
+    slowest = [[max(r[k][j] for r in per_rank) for j in range(len(plan.units) + 1)] for k in range(n)]
+    median = [statistics.median(col) for col in zip(*slowest)]
+    units = [{"unit": title(u), "measured_s": median[1 + i], "predicted_s": part.seconds(),
+              "bound_s": cpu_bound(part)} for i, (u, part) in enumerate(c.parts)]
+    whole = median[0]
+    return {"program": program, "schedule": label, "ranks": ranks, "sizes": sizes, "calls": n, "units": units,
+            "measured_s": whole, "predicted_s": c.seconds(), "bound_s": sum(r["bound_s"] for r in units),
+            "predicted_over_measured": c.seconds() / whole if whole > 0 else None}
+
+
+def units_table(m: dict) -> str:
+    """`explain --measure`'s table of measured_units."""
+    shown = ", ".join(f"{k}={v}" for k, v in m["sizes"].items())
+    lines = [f"{m['program']} [{m['schedule']}] at {shown} on {m['ranks']} ranks: each unit's time on the slowest "
+             f"rank, median of {m['calls']} calls (a trace), against the cost model",
+             f"{'unit':<58} {'measured':>11} {'predicted':>11} {'bound':>11} {'pred/meas':>9}"]
+    for r in [*m["units"], {"unit": "the units together", "measured_s": m["measured_s"],
+                            "predicted_s": m["predicted_s"], "bound_s": m["bound_s"]}]:
+        ratio = f"{r['predicted_s'] / r['measured_s']:.2f}" if r["measured_s"] > 0 else "-"
+        name = r["unit"] if len(r["unit"]) <= 58 else r["unit"][:55] + "..."
+        lines.append(f"{name:<58} {_time(r['measured_s']):>11} {_time(r['predicted_s']):>11} "
+                     f"{_time(r['bound_s']):>11} {ratio:>9}")
+    ratio = m["predicted_over_measured"]
+    lines.append(f"the cost model's error for the call: predicted / measured = "
+                 f"{f'{ratio:.2f}' if ratio is not None else '-'}")
+    return "\n".join(lines) + "\n"
 
 
 # --- the kernel listing (--backend cuda -s S): each unit's kernels against its bound ----------
