@@ -20,6 +20,7 @@ from coconetc.frontend import externs
 from coconetc.frontend.checker import check_program
 from coconetc.frontend.defs import Scope, check_defs
 from coconetc.frontend.parser import parse
+from coconetc.ir import ops
 from coconetc.ir.nodes import Program
 from coconetc.ir.ops import OpDef
 from coconetc.plan import Plan, plan_program
@@ -101,7 +102,13 @@ def load_file(path: str | Path) -> SourceFile:
 
 def load_source(source: str, file: str = "<string>") -> SourceFile:
     tree = parse(source, file)
-    mod, errors = SourceFile(file, source), list[Diagnostic]()
+    mod = SourceFile(file, source)
+    with ops.extern_scope(mod.externs):  # the names the file writes mean its own declarations
+        return _checked(mod, tree)
+
+
+def _checked(mod: SourceFile, tree) -> SourceFile:
+    errors = list[Diagnostic]()
     for i, ext in enumerate(tree.externs):
         _collect(errors, _extern, mod, ext, tree.externs[:i])
     scope, found = check_defs(tree)
@@ -188,7 +195,7 @@ def _collect(errors: list[Diagnostic], fn, *args) -> None:
 def _extern(mod: SourceFile, decl: syntax.ExternDecl, earlier: tuple[syntax.ExternDecl, ...]) -> None:
     if any(e.name == decl.name for e in earlier):
         raise CompileError.at(decl.name_span, f"extern operation '{decl.name}' is declared twice")
-    mod.externs[decl.name] = externs.declare(decl, mod.file)
+    mod.externs[decl.name] = externs.declare(decl, mod.file, mod.externs)
 
 
 def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Program, ...],

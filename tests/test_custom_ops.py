@@ -414,3 +414,61 @@ def test_the_cuda_renderer_calls_the_extern_host_function_on_the_stream():
     assert '#include "rmsnorm.cuh"' in src.cu
     assert "cclib::rmsnorm_cuda(v_rs, v_g, static_cast<float>(1e-05), v_t0_h, " in src.cu
     assert src.cu.count(", stream);") >= 3 and str(REPO / "examples") in src.cmake
+
+
+# --- one name, two declarations: each file gets its own --------------------------------------
+SCOPED = """
+extern op boost(x) {{
+    type = x
+    slicing = free
+    reference = "ref:boost"
+    cpp = "boost.h", "lib::boost"
+    grad_x = "helper(g) + g"
+}}
+
+extern op helper(x) {{
+    type = x
+    slicing = free
+    reference = "ref:helper"
+    cpp = "boost.h", "lib::helper"
+}}
+
+program scaled(x: f32[N] replicated) {{
+    y = boost(x)
+    return y
+}}
+"""
+
+
+def _declaring(tmp_path: Path, name: str, k: int) -> Path:
+    """A file declaring boost(x) = K x, whose derivative K g is written helper(g) + g with its
+    own helper(x) = (K - 1) x: another file's boost or helper would give other values."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "ref.py").write_text(f"def boost(x):\n    return x * {k}\n\n\ndef helper(x):\n    return x * {k - 1}\n")
+    (d / "boost.h").write_text("")
+    (d / "boost.ccn").write_text(SCOPED.format())
+    return d / "boost.ccn"
+
+
+@pytest.mark.parametrize("order", ["a_first", "b_first"])
+def test_two_files_declaring_one_extern_name_each_get_their_own(tmp_path, order):
+    """Two files that declare `extern op boost` (and the `helper` its derivative calls)
+    differently, loaded in one process in either order: each file's program and derived
+    program compute with its own declarations, whichever was loaded last; each prints and
+    names the operation as written."""
+    from coconetc.ir.printer import program as print_program
+    from coconetc.sourcefile import with_grads
+    files = {"a": _declaring(tmp_path, "a", 2), "b": _declaring(tmp_path, "b", 5)}
+    names = ("a", "b") if order == "a_first" else ("b", "a")
+    mods = {n: with_grads(load_file(files[n]), ["scaled"]) for n in names}
+    x = np.arange(4, dtype=np.float32)
+    for n, k in (("a", 2.0), ("b", 5.0)):
+        [res] = run(mods[n].programs["scaled"], [{"x": x}])
+        np.testing.assert_array_equal(res.outputs["y"], k * x, err_msg=n)
+        grad = mods[n].programs["scaled_grad"]
+        cot = next(q.name for q in grad.params if q.name != "x")
+        [res] = run(grad, [{"x": x, cot: np.ones(4, np.float32)}])
+        np.testing.assert_array_equal(res.outputs["d_x"], np.full(4, k, np.float32), err_msg=n)
+        text = print_program(mods[n].programs["scaled"])
+        assert "y = boost(x)" in text and "~" not in text, text

@@ -28,7 +28,7 @@ def rule(d: Any, e: Op, y: Ref, g: Ref) -> Parts:
     params = tuple(a.name for a in entry.params if a.kind == "value")
     grads = dict(entry.extern.grads)
     env: dict[str, Expr] = {gradexpr.COTANGENT: g, gradexpr.RESULT: y, **dict(zip(params, e.args))}
-    externs = {n for n, o in ops.REGISTRY.items() if o.extern is not None}
+    scope = ops.scope_of(e.op)  # the declaring file's externs: the names its derivatives call
     parts: Parts = []
     for p, arg in zip(params, e.args):
         if not d.is_active(arg):
@@ -36,19 +36,20 @@ def rule(d: Any, e: Op, y: Ref, g: Ref) -> Parts:
             continue
         if p not in grads:
             shown = ", ".join(params)
-            raise CompileError.at(e.span, f"extern operation '{e.op}' has no derivative for its operand '{p}': "
+            raise CompileError.at(e.span, f"extern operation '{ops.shown(e.op)}' has no derivative for its operand '{p}': "
                                   f"cannot differentiate through it; declare one in its extern block, "
                                   f"grad_{p} = \"...\", an expression of {shown}, g (the result's "
                                   "cotangent) and y (the result) (docs/language.md, Extern operations)")
-        ctx = _Ctx({}, scope=Scope(externs=externs), env=env)
+        ctx = _Ctx({}, scope=Scope(externs=set(scope)), env=env)
         try:
-            c = _expr(gradexpr.parse_text(grads[p], params), ctx)
+            with ops.extern_scope(scope):
+                c = _expr(gradexpr.parse_text(grads[p], params), ctx)
         except (TypeErr, CompileError) as err:
             first = err.diagnostics[0]
-            raise CompileError.at(e.span, f"the derivative grad_{p} of '{e.op}' ({grads[p]}): {first.message}") from None
+            raise CompileError.at(e.span, f"the derivative grad_{p} of '{ops.shown(e.op)}' ({grads[p]}): {first.message}") from None
         if not _fits(c.type.shape, arg.type.shape):
             shown = ", ".join(map(str, c.type.shape))
-            raise CompileError.at(e.span, f"the derivative grad_{p} of '{e.op}' ({grads[p]}) has shape "
+            raise CompileError.at(e.span, f"the derivative grad_{p} of '{ops.shown(e.op)}' ({grads[p]}) has shape "
                                   f"[{shown}], which does not sum down to {p}'s {arg.type}")
         if c.type.ndim < arg.type.ndim:  # a scalar (or a broadcast value) spread over the operand
             c = d.op("add", d.op("mul", arg, d.const(0.0, arg)), c)

@@ -22,7 +22,12 @@ def check_text(source: str, file: str = "<grad>") -> dict[str, Program]:
     scope, errors = check_defs(tree)
     if errors:
         raise CompileError(errors)
-    return {prog.name: check_program(prog, scope) for prog in tree.programs}
+    # each declaration the text holds is the entry the printer wrote it from (ops.py: one name
+    # may have several entries, one per declaration)
+    externs = {e.name: d for e in tree.externs for d in ops.REGISTRY.values()
+               if d.extern is not None and ops.shown(d.name) == e.name and d.extern.decl in source}
+    with ops.extern_scope(externs):
+        return {prog.name: check_program(prog, scope) for prog in tree.programs}
 
 
 def unfaithful_sites(p: Program) -> list[str]:

@@ -214,7 +214,7 @@ class _Deriver:
                 if isinstance(a, Op) and a.op not in COMPARISONS and self.is_active(a):
                     a = name_args(a, base)
                     assert isinstance(a, Op)
-                    n = self.fresh(f"{base}_{a.op}")
+                    n = self.fresh(f"{base}_{ops.shown(a.op)}")
                     out.append(Stage(n, a, a.span))
                     self.active.add(n)
                     a = Ref(n, a.type, a.span)
@@ -240,7 +240,7 @@ class _Deriver:
             from coconetc.autodiff.extern import rule
         if rule is None:
             detail = f"({ops.attr(e, 'op')})" if any(k == "op" for k, _ in e.attrs) else ""
-            raise CompileError.at(span, f"'{e.op}{detail}' has no derivative (yet): cannot differentiate through it")
+            raise CompileError.at(span, f"'{ops.shown(e.op)}{detail}' has no derivative (yet): cannot differentiate through it")
         for arg, c, per_rank in rule(self, e, Ref(s.name, e.type), g):
             if c is not None and isinstance(arg, Ref) and arg.name in self.active and not _times_zero(c):
                 self.add(arg.name, c, e.type.layout == LOCAL if per_rank is None else per_rank, span)

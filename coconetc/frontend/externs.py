@@ -35,8 +35,10 @@ KEYS = ("type", "slicing", "reference", "cpp", "cuda")
 SLICING_WORDS = {"free": ops.FREE, "rows": ops.ROWS, "dims": ops.DIMS, "none": ops.NEVER}
 
 
-def declare(decl: syntax.ExternDecl, file: str) -> ops.OpDef:
-    """Check the declaration and register its operation; raises CompileError (every error)."""
+def declare(decl: syntax.ExternDecl, file: str, scope: dict[str, ops.OpDef] | None = None) -> ops.OpDef:
+    """Check the declaration and register its operation (the file's own: ops.register_extern;
+    SCOPE, the file's externs by name, which its derivatives call); raises CompileError (every
+    error)."""
     errors: list[Diagnostic] = []
     settings: dict[str, syntax.Setting] = {}
     for s in decl.settings:
@@ -72,7 +74,7 @@ def declare(decl: syntax.ExternDecl, file: str) -> ops.OpDef:
                       fusable=False, slice_dims=dims, extern=ext,
                       doc=f"extern operation declared in {file}")
     try:
-        return ops.register_extern(entry)
+        return ops.register_extern(entry, scope)
     except ValueError as err:
         raise CompileError.at(decl.name_span, str(err)) from None
 

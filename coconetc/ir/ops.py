@@ -9,9 +9,10 @@ backend: the interpreter and the backends import it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -204,14 +205,67 @@ def register(d: OpDef) -> OpDef:
     return d
 
 
-def register_extern(d: OpDef) -> OpDef:
-    """An `extern op` declaration's entry. A file loaded again (or another file declaring the
-    same name) replaces an earlier extern entry of that name; a built-in name is refused."""
+# `extern op` declarations are the declaring file's own: two files (or two versions of one file)
+# that declare the same name with different declarations each get an entry, the later one
+# under a key of its own, NAME~K (`~` is no character of a .ccn name, so no program can write it),
+# and the checker writes that key into the file's IR, so every later layer (the planner, the
+# renderers, the interpreter, autodiff) finds the file's own entry by the name in the IR. While a
+# file is checked (sourcefile.load_source) or an extern's derivative expanded, the names it wrote
+# mean its own declarations (extern_scope). A declaration equal to an entry's (the same file
+# loaded again, or the printer's text of it) replaces that entry. `shown` is how a key reads in messages and listings.
+SEP = "~"
+_SCOPE: ContextVar[Mapping[str, OpDef] | None] = ContextVar("coconet_extern_scope", default=None)
+_SCOPES: dict[str, Mapping[str, OpDef]] = {}  # a registry key -> its declaring file's externs
+
+
+def register_extern(d: OpDef, scope: Mapping[str, OpDef] | None = None) -> OpDef:
+    """An `extern op` declaration's entry, by its name or, where another declaration holds the
+    name, by a key of its own (see above); a built-in name is refused. SCOPE: the declaring
+    file's externs (name as written -> entry), which its derivatives' expressions call."""
     old = REGISTRY.get(d.name)
     if old is not None and old.extern is None:
         raise ValueError(f"'{d.name}' is a built-in operation")
-    REGISTRY.pop(d.name, None)
-    return register(d)
+    key, k = d.name, 0
+    while key in REGISTRY and not _same(REGISTRY[key], d):
+        k += 1
+        key = f"{d.name}{SEP}{k}"
+    REGISTRY.pop(key, None)
+    entry = register(d if key == d.name else replace(d, name=key))
+    if scope is not None:
+        _SCOPES[key] = scope
+    return entry
+
+
+def _same(a: OpDef, b: OpDef) -> bool:
+    """The same declaration (its text and where its reference was found), from any file."""
+    return a.extern is not None and b.extern is not None and \
+        (a.extern.decl, a.extern.where) == (b.extern.decl, b.extern.where)
+
+
+@contextmanager
+def extern_scope(externs: Mapping[str, OpDef]) -> Iterator[None]:
+    """Inside the block, a name that EXTERNS holds (a file's declarations, by the names it
+    wrote) means that entry, for get, called and arities."""
+    token = _SCOPE.set(externs)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def scope_of(key: str) -> Mapping[str, OpDef]:
+    """The externs of the file that declared the entry KEY (for its derivatives)."""
+    return _SCOPES.get(key, {})
+
+
+def shown(name: str) -> str:
+    """An operation's name as a program writes it (an extern's key without its ~K)."""
+    return name.split(SEP, 1)[0]
+
+
+def _scoped(name: str) -> OpDef | None:
+    scope = _SCOPE.get()
+    return scope.get(name) if scope else None
 
 
 def unregister(name: str) -> None:
@@ -229,6 +283,9 @@ def registered(d: OpDef) -> Iterator[OpDef]:
 
 
 def get(name: str) -> OpDef:
+    mine = _scoped(name)
+    if mine is not None:
+        return mine
     if name not in REGISTRY:
         raise KeyError(f"no operation '{name}' in the registry")
     return REGISTRY[name]
@@ -238,6 +295,9 @@ def called(name: str, nargs: int | None = None) -> OpDef | None:
     """The operation a program calls as `name(...)` with `nargs` arguments, if any. A name
     written for two operations (`max(x)`, the reduction amax, and `max(a, b)`, pointwise)
     is decided by the number of arguments: the one whose value parameters it fills."""
+    mine = _scoped(name)
+    if mine is not None:
+        return mine
     if nargs is not None:
         for d in REGISTRY.values():
             if d.written == name and len(d.values) == nargs:
@@ -249,6 +309,8 @@ def called(name: str, nargs: int | None = None) -> OpDef | None:
 def arities(name: str) -> tuple[int, ...]:
     """The numbers of arguments `name(...)` may take when the name is written for several
     operations (max: 1 or 2); () for any other name."""
+    if _scoped(name) is not None:
+        return ()
     out = sorted({len(d.values) for d in REGISTRY.values() if d.written == name and d.called}
                  | ({len(REGISTRY[name].values)} if name in REGISTRY else set()))
     return tuple(out) if any(d.written == name for d in REGISTRY.values()) else ()
@@ -256,7 +318,7 @@ def arities(name: str) -> tuple[int, ...]:
 
 def spelled(d: OpDef) -> str:
     """How a program writes a call of d."""
-    return d.written or d.name
+    return d.written or shown(d.name)
 
 
 def infix(symbol: str) -> OpDef:

@@ -111,10 +111,10 @@ def _externs(p: Program) -> list[str]:
     (grad_p = "...") call, so that the text parses alone."""
     used = list(dict.fromkeys(n.op for s in p.stages for n in walk(s.expr) if isinstance(n, Op)))
     for name in used:  # grows while it is read: the extern operations a derivative calls
-        ext = ops.get(name).extern
+        ext, scope = ops.get(name).extern, ops.scope_of(name)  # (by the names its file wrote)
         for _, text in ext.grads if ext is not None else ():
-            used += [c for c in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(", text)
-                     if c not in used and c in ops.REGISTRY and ops.REGISTRY[c].extern is not None]
+            used += [scope[c].name for c in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(", text)
+                     if c in scope and scope[c].name not in used]
     decls = [ext.decl for ext in (ops.get(n).extern for n in used) if ext is not None]
     return [line for d in decls for line in d.splitlines()]
 

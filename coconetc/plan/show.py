@@ -5,7 +5,7 @@ Deterministic: the same plan prints the same text."""
 
 from __future__ import annotations
 
-from coconetc.ir import printer
+from coconetc.ir import ops, printer
 from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import BACKENDS, GEMMS, parts
 from coconetc.plan.targets import TARGETS
@@ -120,7 +120,7 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
         epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(plan, u)})"] if u.epilogue else []
-        return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})", *epi]
+        return [f"{ind}{_at(u.line)} library {u.dst} = {ops.shown(u.op)}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]
     if isinstance(u, Copy):

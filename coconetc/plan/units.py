@@ -34,6 +34,7 @@ from enum import Enum
 
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir.nodes import Expr
+from coconetc.ir.ops import shown
 from coconetc.ir.types import Dim, TType
 
 
@@ -536,7 +537,7 @@ def title(u: Unit, loop: str = "loop", collective: str = "") -> str:
     if isinstance(u, Reduce):
         return f"reduce {u.dst} = {u.op}({u.src})"
     if isinstance(u, Library):
-        return f"{u.op} {u.dst}"
+        return f"{shown(u.op)} {u.dst}"
     if isinstance(u, Collective):
         return f"{u.op} {u.dst}{collective}"
     if isinstance(u, Copy):
