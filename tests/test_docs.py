@@ -10,11 +10,11 @@ directory outside the checkout, with the `coconetc` of this Python first on PATH
 - ```ccn NAME: a whole .ccn file, written to NAME and checked (`coconetc check NAME`);
 - ```text: not run. Every such block is listed in EXEMPT below, with why; any other is an error.
 
-The tutorial's pages run in one directory, in order, as a reader works through them (page 2 uses
-the adam.ccn of page 1). Builds go to the pytest cache that the other tests share (COCONET_CACHE):
-page 1 writes examples/adam.ccn byte for byte, so the modules other tests build from it (CPU, and
-CUDA under the host emulation) are reused, and the README's sgd.ccn is the one page 3 writes. With
-the modules built the tutorial takes 1.5 to 2 minutes on 2 busy cores; with none, 3 to 3.5."""
+Each tutorial page runs in a directory of its own, given the files it reads from earlier pages
+(EARLIER: page 4 runs the adam.ccn of page 1), so that the pages run side by side. Builds go to
+the pytest cache that the other tests share (COCONET_CACHE): page 1 writes examples/adam.ccn byte
+for byte, so the modules other tests build from it (CPU, and CUDA under the host emulation) are
+reused, and the README's sgd.ccn is the one page 3 writes."""
 
 from __future__ import annotations
 
@@ -96,12 +96,24 @@ def test_readme_runs_as_written(tmp_path: Path, doc_env: dict[str, str]) -> None
     _run_pages([README], tmp_path, doc_env)
 
 
+# What a page reads that an earlier page wrote (the rest of each page is its own): page 4 runs
+# page 1's adam.ccn, which is examples/adam.ccn byte for byte (test_tutorial_page[1] checks).
+EARLIER = {"04_gpus_and_clusters.md": {"adam.ccn": REPO / "examples" / "adam.ccn"}}
+
+
 @pytest.mark.slow
-def test_tutorial_runs_as_written(tmp_path: Path, doc_env: dict[str, str]) -> None:
-    """Pages 1 to 4 in one directory, in order (about a minute with the modules cached)."""
+@pytest.mark.parametrize("page", [1, 2, 3, 4])
+def test_tutorial_page_runs_as_written(page: int, tmp_path: Path, doc_env: dict[str, str]) -> None:
+    """Each page of the tutorial in a directory of its own, with what it reads from earlier
+    pages (EARLIER), so that the pages run side by side on the test workers."""
     assert [p.name for p in TUTORIAL] == ["01_data_parallel_optimizer.md", "02_tensor_parallel_layer.md",
                                           "03_schedules_plan_proofs.md", "04_gpus_and_clusters.md"]
-    _run_pages(TUTORIAL, tmp_path, doc_env)
+    doc = TUTORIAL[page - 1]
+    for name, src in EARLIER.get(doc.name, {}).items():
+        (tmp_path / name).write_bytes(src.read_bytes())
+    _run_pages([doc], tmp_path, doc_env)
+    if page == 1:  # what page 4 (and the modules other tests build) take as page 1's file
+        assert (tmp_path / "adam.ccn").read_bytes() == EARLIER["04_gpus_and_clusters.md"]["adam.ccn"].read_bytes()
 
 
 def test_every_block_is_run_or_listed_exempt() -> None:
