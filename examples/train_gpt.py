@@ -18,8 +18,8 @@ layernorm and the head are ordinary torch parameters, the same on every rank. Mo
   sp     sequence parallelism (program gpt_block_sp, when gpt_block.ccn has it): each rank's
          blocks see its slice of the sequence; the embeddings' output is cut to this rank's
          slice before the first block and the last block's output gathered after it, with
-         Megatron's conjugate functions (here: split forward / all-gather backward, and
-         all-gather forward / split backward, over mpi4py).
+         Megatron's conjugate functions (coconetc.torch.gpt.scatter_sequence and
+         gather_sequence, over mpi4py).
   tp_dp  tensor parallelism inside --dp-groups groups of consecutive ranks (`groups=` of the
          module) and data parallelism across them: each group trains on its rows of the batch,
          and coconetc.torch.DistributedOptimizer over examples/adamw.ccn, on the communicator of
@@ -197,43 +197,6 @@ def reference_model(full: dict[str, Any], a: argparse.Namespace) -> Any:
 
 
 # --- the model with coconet's blocks ------------------------------------------------------------
-def sequence_functions(comm: Any) -> tuple[Any, Any]:
-    """Megatron's conjugates at the sequence-parallel region's edges, over the ranks of COMM
-    (a tensor-parallel group): scatter (forward: this rank's slice of dim 1; backward: the
-    slices' gradients all-gathered) and gather (forward: the slices all-gathered; backward: this
-    rank's slice of the gradient, the same on every rank since every rank computes the same loss
-    from the gathered tensor). Slices as the language cuts them (ceil(S/R) rows a rank)."""
-    import torch
-    from coconetc.ir.slices import slice_range
-    R, r = comm.Get_size(), comm.Get_rank()
-
-    def mine(t: torch.Tensor) -> torch.Tensor:
-        lo, hi = slice_range(t.shape[1], R, r)
-        return t[:, lo:hi].contiguous()
-
-    def gathered(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([torch.from_numpy(p) for p in comm.allgather(t.detach().contiguous().numpy())], dim=1)
-
-    class Scatter(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return mine(x)
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return gathered(g)
-
-    class Gather(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return gathered(x)
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return mine(g)
-    return Scatter.apply, Gather.apply
-
-
 def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, groups: int, tp_comm: Any) -> Any:
     """The model with every block a coconetc.torch.Module of PROGRAM (this rank's parts of its
     weights), on COMM_WORLD in GROUPS groups; the block's input x sliced along the sequence
@@ -256,7 +219,7 @@ def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, gro
     if x.type.layout.sliced and x.type.layout.dim != 1:
         raise SystemExit(f"{program}: x is {x.type}: only a slice along the sequence (dim 1) is known here")
     seq_sliced = x.type.layout.sliced
-    scatter, gather = sequence_functions(tp_comm) if seq_sliced else (None, None)
+    from coconetc.torch.gpt import gather_sequence, scatter_sequence  # Megatron's conjugates at the edges
     weights = [n for n in params if n in BLOCK_WEIGHTS]
 
     class GPT(nn.Module):
@@ -271,13 +234,13 @@ def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, gro
 
         def forward(self, idx: torch.Tensor, step: int) -> torch.Tensor:
             x = self.wte[idx] + self.wpe[:idx.shape[1]]
-            if scatter is not None:
-                x = scatter(x)
+            if seq_sliced:
+                x = scatter_sequence(x, comm=tp_comm)
             for i, b in enumerate(self.blocks):
                 x = b(x=x.contiguous(), scale=1.0 / math.sqrt(a.hidden // a.heads), pdrop=a.dropout,
                       seed=1000 * step + i)
-            if gather is not None:
-                x = gather(x)
+            if seq_sliced:
+                x = gather_sequence(x, idx.shape[1], comm=tp_comm)
             x = F.layer_norm(x, (a.hidden,), self.ln_f_w, self.ln_f_b, 1e-5)
             return x @ self.wte.T
     model = GPT()

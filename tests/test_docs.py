@@ -102,12 +102,13 @@ EARLIER = {"04_gpus_and_clusters.md": {"adam.ccn": REPO / "examples" / "adam.ccn
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [1, 2, 3, 4])
+@pytest.mark.parametrize("page", [1, 2, 3, 4, 5])
 def test_tutorial_page_runs_as_written(page: int, tmp_path: Path, doc_env: dict[str, str]) -> None:
     """Each page of the tutorial in a directory of its own, with what it reads from earlier
     pages (EARLIER), so that the pages run side by side on the test workers."""
     assert [p.name for p in TUTORIAL] == ["01_data_parallel_optimizer.md", "02_tensor_parallel_layer.md",
-                                          "03_schedules_plan_proofs.md", "04_gpus_and_clusters.md"]
+                                          "03_schedules_plan_proofs.md", "04_gpus_and_clusters.md",
+                                          "05_your_nanogpt_block.md"]
     doc = TUTORIAL[page - 1]
     for name, src in EARLIER.get(doc.name, {}).items():
         (tmp_path / name).write_bytes(src.read_bytes())

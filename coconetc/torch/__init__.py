@@ -42,6 +42,8 @@ The package, a file per story:
   differentiable.py  function (Differentiable): a program as an autograd function
   module.py          Module: such a function with its parameters
   ops.py             the torch.library custom operators of function / Module calls
+  gpt.py             a nanoGPT block's weights in gpt_block.ccn's layouts, the sequence-parallel
+                     region's edges
   params.py          what they share: the module loaded once, arguments bound and on the
                      backend's device, torch's params and param groups"""
 
@@ -52,8 +54,9 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("coconetc.torch needs PyTorch (pip install torch)") from err
 
+from coconetc.torch import gpt
 from coconetc.torch.differentiable import Differentiable, function
 from coconetc.torch.module import Module
 from coconetc.torch.optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "Differentiable", "Module", "function"]
+__all__ = ["DistributedOptimizer", "Differentiable", "Module", "function", "gpt"]

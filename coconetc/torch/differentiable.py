@@ -53,6 +53,8 @@ class Differentiable:
         what = "coconetc.torch.function"
         if backend not in (None, "cpu", "cuda"):
             raise ValueError(f"{what}: backend must be 'cpu', 'cuda' or None (the tensors' device), got {backend!r}")
+        from coconetc.paths import source_path
+        source = source_path(source)  # a bare name may be a shipped example's ("gpt_block.ccn")
         if not Path(source).exists():
             raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
         sf = load_file(source)
