@@ -19,7 +19,7 @@
 #                   faster fused algorithm, measured), at 2^20, 2^24, 2^26
 #   adam_step_pipeline, adam_step_symmetric  the same with the fused algorithm forced
 #                   (COCONET_CUDA_FUSED=pipeline, =symmetric: the device-API kernel) at 2^24, 2^26,
-#                   2^28: the two side by side for `zero` and `fused` (docs/cuda.md, the symmetric
+#                   2^28: the two side by side for `zero` and `fused` (docs/cuda_symmetric.md, the
 #                   kernel's tiles)
 #   symmetric       the examples with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
 #   tp_mlp_f32, tp_mlp_bf16  the tensor-parallel MLP's forward + backward

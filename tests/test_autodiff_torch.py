@@ -10,8 +10,8 @@ every group), a local one once a rank. So torch's gradient of a replicated input
 every rank's (summed over the groups, which share the input), a sliced input's is cut into the
 ranks' slices, a local input's is per rank.
 
-A dropout's mask is coconet's (the counter-based generator keyed by the stage, LANGUAGE.md
-section 2): the reference computes it with coconetc.interp.rng at the same site and uses it as a
+A dropout's mask is coconet's (the counter-based generator keyed by the stage, docs/language.md,
+"Operations"): the reference computes it with coconetc.interp.rng at the same site and uses it as a
 constant. A float literal of the program is rounded to f32 by the front end (a weak f32, see
 docs/autodiff.md), so the reference uses the rounded value (f32c)."""
 

@@ -301,7 +301,8 @@ def test_every_examples_device_code_compiles_with_nvcc(path, tmp_path):
 def test_the_symmetric_kernel_keeps_no_stack_frame(tmp_path):
     """ptxas's report of the symmetric-memory kernel (adam zero and fused, sm_90): no local memory.
     Its caller windows inside the SymThread the kernel modifies, indexed at run time, once made
-    every thread copy a 632-byte frame into local memory before any work (docs/cuda.md). The
+    every thread copy a 632-byte frame into local memory before any work
+    (docs/results/cuda_gpu_symmetric_kernel_2026-11-24_28.md). The
     module's device code only (nvcc --cubin with the build's options: no host compile, no
     binding, no link; the build itself is test_examples_compile_and_link_with_nvcc's)."""
     why = probes.cuda_missing()

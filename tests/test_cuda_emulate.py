@@ -1,5 +1,5 @@
 """The CUDA backend run without a GPU, under the host emulation (runtime_cpp/coconet/cuda/emulate.h,
-docs/cuda.md): the same generated module.cu, compiled by g++ with -DCOCONET_EMULATE, streams as
+docs/cuda_emulation.md): the same generated module.cu, compiled by g++ with -DCOCONET_EMULATE, streams as
 threads, NCCL on MPI, cuBLAS on the CPU GEMM.
 
 - every example and schedule the CUDA backend implements matches the interpreter at R = 1..4

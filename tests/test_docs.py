@@ -160,3 +160,23 @@ def test_the_tracing_page_runs_as_written(tmp_path: Path, doc_env: dict[str, str
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["trace.json", "trace.rank0.json",
                                                                        "trace.rank1.json"]
     assert [p.name for p in (tmp_path / "traces_block").iterdir()] == ["trace.rank0.json"]
+
+
+# A repository path in backticks: under a top-level directory, or a top-level file.
+NAMED_PATH = re.compile(r"`((?:coconetc|runtime_cpp|tests|examples|bench|docs|grammar|cmake|\.ci)/[\w./-]*"
+                        r"|Makefile|pyproject\.toml|README\.md|CMakeLists\.txt)(?::[\w.]+)?[`:\s]")
+
+
+def test_named_paths_exist() -> None:
+    """Every repository path docs/architecture.md and docs/layout.md name in backticks
+    (`coconetc/plan/units.py`, `runtime_cpp/coconet/trace.h`, `examples/adam.ccn`, ...) exists, so
+    a page cannot go on naming a file that is gone. A path with a glob or a placeholder is skipped."""
+    missing = []
+    for page in ("architecture.md", "layout.md"):
+        for path in NAMED_PATH.findall((REPO / "docs" / page).read_text()):
+            path = path.rstrip(".,;")
+            if any(c in path for c in "*{<"):
+                continue
+            if not (REPO / path).exists():
+                missing.append(f"{page}: {path}")
+    assert not missing, "\n".join(missing)

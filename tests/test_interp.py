@@ -22,7 +22,7 @@ TOL = {F16: (2e-2, 2e-2), BF16: (6e-2, 6e-2), F32: (1e-5, 1e-6)}
 
 # --- helpers (deliberately not the interpreter's own) --------------------------------------
 def part(n: int, parts: int, i: int) -> tuple[int, int]:
-    """LANGUAGE.md: c = ceil(n / R); rank i holds [i*c, min((i+1)*c, n))."""
+    """docs/language.md, "Parameters": c = ceil(n / R); rank i holds [i*c, min((i+1)*c, n))."""
     c = -(-n // parts)
     return min(i * c, n), min((i + 1) * c, n)
 

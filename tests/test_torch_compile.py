@@ -1,5 +1,5 @@
-"""coconet layers under torch.compile and torch.export (ARCHITECTURE.md, "PyTorch sees
-operators"): a call of coconetc.torch.function / Module is a torch.library custom operator
+"""coconet layers under torch.compile and torch.export (docs/pytorch.md, "torch.compile and
+torch.export"): a call of coconetc.torch.function / Module is a torch.library custom operator
 (coconetc/torch/ops.py) with a fake implementation from the program's types and an autograd
 formula that runs the derived program (its own operator). One rank, in this process; the
 modules are the ones tests/test_torch_function.py and tests/test_torch_optimizer.py build

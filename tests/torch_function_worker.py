@@ -157,7 +157,7 @@ def mode_sp(comm) -> None:
     full = tp_full(gen, B, S, H, F)
     full["gamma"], full["beta"] = 1 + 0.1 * torch.randn(H, generator=gen), 0.1 * torch.randn(H, generator=gen)
     dy = torch.randn(B, S, H, generator=gen)
-    # dropout's mask: the language's counter-based RNG at the stage's site (LANGUAGE.md section 2)
+    # dropout's mask: the language's counter-based RNG at the stage's site (docs/language.md, "Operations")
     keep = dropout_keep(SEED, site_key("y#0"), np.arange(B * S * H, dtype=np.uint64), P)
     mask = torch.from_numpy(np.asarray(keep).reshape(B, S, H)).to(torch.float32)
 

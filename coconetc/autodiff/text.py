@@ -31,10 +31,10 @@ def check_text(source: str, file: str = "<grad>") -> dict[str, Program]:
 
 
 def unfaithful_sites(p: Program) -> list[str]:
-    """The random operations whose RNG site (the `site` attribute, `stage#k`: LANGUAGE.md
-    section 2) printed text cannot say. A dropout's derivative reuses the forward's mask, and
+    """The random operations whose RNG site (the `site` attribute, `stage#k`: docs/language.md,
+    "Operations") printed text cannot say. A dropout's derivative reuses the forward's mask, and
     a dropout hoisted out of its stage keeps its site: the printer writes such a site as
-    `site=NAME, draw=k` (docs/language.md, "Random operations"), which says any `NAME#k` with
+    `site=NAME, draw=k` (docs/language.md, "Operations"), which says any `NAME#k` with
     NAME a name; so this lists only sites of another form (none the front end makes)."""
     bad = []
     for s in p.stages:

@@ -243,7 +243,7 @@ def _op(op: str, args: tuple, attrs: dict, span: Span, err_span: Span | None = N
 
 
 def _literals_as_f64(args: tuple) -> tuple:
-    """A float literal with an f64 value takes its dtype (LANGUAGE.md: literals take the
+    """A float literal with an f64 value takes its dtype (docs/language.md, "Types": literals take the
     tensor's dtype), so that `x * 0.1` multiplies by the double 0.1, not by 0.1 rounded to f32.
     (Narrower floats compute in f32 anyway.)"""
     if not any(isinstance(a, ir.Expr) and not a.type.weak and a.type.dtype == "f64" for a in args):
@@ -361,7 +361,8 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if "dim" in attrs and not attrs["dim"] < args[0].type.ndim:  # type: ignore[operator]
         raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
                       f"{args[0].type.ndim}-d tensor")
-    if d.kind == "random" and site is None:  # the RNG stream of this call site (LANGUAGE.md section 2)
+    # the RNG stream of this call site (docs/language.md, "Operations")
+    if d.kind == "random" and site is None:
         attrs["site"] = f"{ctx.stage}#{ctx.sites}"
         ctx.sites += 1
     elif d.kind == "random":

@@ -1,4 +1,4 @@
-"""Typing rules (LANGUAGE.md sections 1-3): dtype promotion with weak scalars, NumPy
+"""Typing rules (docs/language.md, "Types"): dtype promotion with weak scalars, NumPy
 broadcasting of symbolic shapes, and layouts. Each operation's entry in the registry
 (coconetc/ir/ops.py) names its rule; `ops.type_op` looks it up. Used by the checker to type a
 program and by the schedule primitives to re-type the stages they move onto slices.

@@ -60,7 +60,7 @@ def dim_symbols(d: Dim) -> set[str]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a value lives relative to the rank's group (LANGUAGE.md section 1)."""
+    """Where a value lives relative to the rank's group (docs/language.md, "Parameters")."""
 
     kind: str  # local | replicated | sliced
     dim: int = 0  # the sliced dim (0 for the other kinds)

@@ -1,4 +1,4 @@
-"""coconet calls as PyTorch operators (ARCHITECTURE.md, "PyTorch sees operators"): each
+"""coconet calls as PyTorch operators (docs/pytorch.md, "torch.compile and torch.export"): each
 distinct differentiable program call (`coconetc.torch.function` / `Module`) is a pair of
 `torch.library` custom operators in the namespace `coconet`:
 

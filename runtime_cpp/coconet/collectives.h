@@ -1,4 +1,4 @@
-// coconet runtime: blocking collectives on a Comm's group (LANGUAGE.md section 3).
+// coconet runtime: blocking collectives on a Comm's group (docs/language.md, "Communication").
 //
 // Sliced tensors are viewed as [outer, n, inner] around the sliced dim (slices.h); rank r holds
 // [outer, slice_range(n, R, r), inner] as one contiguous buffer, with uneven and empty slices.

@@ -1,4 +1,4 @@
-// coconet runtime: ranks and groups (LANGUAGE.md section 4).
+// coconet runtime: ranks and groups (docs/language.md, "Groups").
 //
 // A call runs on W processes forming G consecutive groups of W/G ranks; layouts and collectives
 // refer to the caller's group, and send(x, next|prev) talks to the same in-group rank of the
