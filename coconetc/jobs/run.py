@@ -24,6 +24,8 @@ def _args(argv):
     ap = args.parser("coconetc-worker", reps=3)
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--save")
+    ap.add_argument("--no-check", action="store_true",
+                    help="time the calls without comparing the results with the interpreter (explain --measure)")
     return ap.parse_args(argv)
 
 
@@ -60,6 +62,11 @@ def _run_one(a, comm, fn, base, inputs, sched: str | None) -> bool:
 
     times = timed_rounds(comm, {sched: prepare}, max(1, a.reps), seen=seen)[sched]
     t = slowest_median(comm, times)
+    if a.no_check:
+        if rank == 0:
+            print(f"{a.program} [{sched or 'default'}]: {R} ranks: {t * 1e3:.3f} ms (median of {a.reps}): "
+                  "not checked", flush=True)
+        return False
     checked = verify_results(comm, last["results"], ir, s_inputs, a.groups)
     if rank == 0:
         label = f"{a.program} [{sched or 'default'}]" + (" (CUDA, host emulation)" if a.emulate_cuda else
