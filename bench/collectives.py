@@ -1,5 +1,5 @@
 """MPI's own collectives between the ranks of one node, against a copy of the same bytes: what
-the cost model's per-algorithm rates rest on (coconetc/tune/cost.py, Machine; docs/performance.md).
+the cost model's per-algorithm rates rest on (coconetc/plan/cost.py, Machine; docs/performance.md).
 
 Run: python bench/collectives.py [--ranks 2] [--sizes 12,16,20,22] [--reps 9]
 It relaunches itself under mpiexec; rank 0 prints, per size (log2 of the f32 elements), each

@@ -21,7 +21,7 @@ LAYERS = [
     ("frontend", ("coconetc.frontend",), "parse and check .ccn text"),
     ("autodiff", ("coconetc.autodiff",), "derived programs: the vector-Jacobian program of a typed IR program"),
     ("schedule", ("coconetc.schedule",), "directives, each checked; IR verified after each"),
-    ("plan", ("coconetc.plan",), "the execution plan: every decision, per target"),
+    ("plan", ("coconetc.plan",), "the execution plan: every decision, per target; its cost model"),
     ("sourcefile", ("coconetc.sourcefile",), "one checked file: programs, schedules, plans"),
     ("interp", ("coconetc.interp",), "the oracle: NumPy, R simulated ranks"),
     ("oracle", ("coconetc.oracle",), "random inputs, interpreted runs, comparison"),
@@ -30,7 +30,7 @@ LAYERS = [
     ("runtime", ("coconetc.runtime",), "load, agree across ranks, call; CPU and CUDA"),
     ("api", ("coconetc",), "coconetc.load, coconetc.empty"),
     ("launch", ("coconetc.launch",), "mpiexec: start R ranks of a Python program"),
-    ("tune", ("coconetc.tune",), "cost model, search space, tuner"),
+    ("tune", ("coconetc.tune",), "search space, tuner, explain"),
     ("jobs", ("coconetc.jobs",), "rank programs: run, tune, check against the oracle"),
     ("front", ("coconetc.torch", "coconetc.cli"), "PyTorch adoption, the command line"),
 ]

@@ -85,7 +85,7 @@ def test_bad_simulated_nodes_is_a_clear_error(monkeypatch, value: str, needle: s
 
 
 def test_cost_model_has_two_levels():
-    """The cost model over M nodes (coconetc/tune/cost.py): adam zero's fused collective and
+    """The cost model over M nodes (coconetc/plan/cost.py): adam zero's fused collective and
     default's all-reduce send (M-1)/M of 1/L of the input and of the gathered w across the
     network (hierarchically), none on one node, all of what they send with one rank per node;
     so do rs_c_ag's reduce-scatter and all-gathers (of the input, of the gathered value), while
@@ -95,7 +95,7 @@ def test_cost_model_has_two_levels():
 
     from coconetc import cli
     from coconetc.sourcefile import load_file
-    from coconetc.tune.cost import cost
+    from coconetc.plan.cost import cost
     mod = load_file(REPO / "examples" / "adam.ccn")
     n, R = 1 << 20, 4
     nb = 4.0 * n

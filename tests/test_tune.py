@@ -24,7 +24,7 @@ from coconetc.launch.mpiexec import run_python
 from coconetc.plan.targets import Target
 from coconetc.schedule import apply_all
 from coconetc.runtime import tuned
-from coconetc.tune.cost import Machine, cost
+from coconetc.plan.cost import Machine, cost
 from coconetc.tune.space import candidates, state_params
 from coconetc.tune import tuner
 from coconetc.tune.tuner import prune

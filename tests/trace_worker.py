@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import coconetc
 from coconetc.plan.units import title
-from coconetc.tune.cost import cost
+from coconetc.plan.cost import cost
 from rank_checks import gathered_report
 
 comm = MPI.COMM_WORLD

@@ -10,7 +10,7 @@ exits). Each call of a CPU module then records, on this rank's timeline (pid: th
   * each unit of the function's plan (category "unit": a loop, a GEMM, an attention call, a
     library call, a collective, a fused collective, an overlap), named as `coconetc show
     --format plan` names it, with its bytes moved and sent, its flops and its time by the cost
-    model (coconetc/tune/cost.py) at the call's sizes in its args;
+    model (coconetc/plan/cost.py) at the call's sizes in its args;
   * inside a unit (category "piece"): each chunk of an overlap (its producer, the start of its
     communication, its consumer, each wait for a chunk's communication) and of a fused
     collective (its computation), and each wait for communication.
@@ -86,7 +86,7 @@ class Session:
         """Each unit's bytes, flops and predicted time by the cost model at these sizes."""
         key = (id(fn), schedule, tuple(sorted(sizes.items())), ranks)
         if key not in self._costs:
-            from coconetc.tune.cost import cost
+            from coconetc.plan.cost import cost
             try:
                 parts = cost(_plan(fn, schedule), sizes, ranks).parts
             except Exception:  # noqa: BLE001 (a trace without the model's figures, not a failed call)

@@ -1,4 +1,4 @@
-"""`coconetc explain`: for each schedule of a program, the cost model's numbers (cost.py) next
+"""`coconetc explain`: for each schedule of a program, the cost model's numbers (plan/cost.py) next
 to the time the tuning cache measured at the same sizes and ranks, if any. The schedules the
 tuner wrote and measured for these sizes are listed too.
 
@@ -20,7 +20,7 @@ from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
 from coconetc.runtime import tuned as cache
 from coconetc.plan.units import title
-from coconetc.tune.cost import Cost, Machine, cost
+from coconetc.plan.cost import Cost, Machine, cost
 
 
 class ExplainError(Exception):
@@ -228,7 +228,7 @@ class KernelRow:
     """One plan unit in launch order: the kernels the generated code launches for it (extended
     lambdas, named as CUPTI demangles them: FUNC(...)::{lambda(SIG)#K}, K counting FUNC's lambdas
     of that signature in the code's order) and the libraries it calls, its bytes and flops (the
-    cost model's, tune/cost.py) and its bound at a bandwidth and peak."""
+    cost model's, plan/cost.py) and its bound at a bandwidth and peak."""
 
     unit: int
     what: str
@@ -391,7 +391,7 @@ def _unit_sections(plan, fn: str, file: str, outputs: list[str]) -> tuple[list[s
 def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ranks: int,
             bw: float, peaks: dict[str, float]) -> tuple[str, list[KernelRow]]:
     """(the generated function's name, one row per unit of LABEL's plan in launch order): what
-    it launches and calls, its bytes and flops (cost.py), its bound at BW bytes/s and PEAKS
+    it launches and calls, its bytes and flops (plan/cost.py), its bound at BW bytes/s and PEAKS
     flop/s by dtype."""
     from coconetc.codegen.naming import function_name
     from coconetc.codegen.library_calls import GEMM

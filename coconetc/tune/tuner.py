@@ -1,5 +1,5 @@
 """`coconetc tune`: the candidates of a program (space.py), pruned with the cost model
-(cost.py), built into one module, timed on R ranks at the real sizes (worker.py), the
+(plan/cost.py), built into one module, timed on R ranks at the real sizes (worker.py), the
 winners checked against the interpreter, and the record stored in the tuning cache
 (runtime/tuned.py, which the runtime reads for schedule="auto").
 
@@ -37,7 +37,7 @@ from coconetc.runtime.node_ranks import simulated_nodes
 from coconetc.runtime.loader import compile_cpu
 from coconetc.sourcefile import SourceFile, load_file
 from coconetc.toolchain import Artifact, Options, compile, module_stem
-from coconetc.tune.cost import cost
+from coconetc.plan.cost import cost
 from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates
 
 KEEP = 2.0
