@@ -677,8 +677,17 @@ def _sym_check(ranks: int, mods: dict[Case, tuple[str, Path]], sizes: list[int],
     return {case: {r: calls[k * n:(k + 1) * n] for r, calls in grids.items()} for k, case in enumerate(mods)}
 
 
+SIZES_SYM = [10, 100, 1001, 4099, 8209]
+# (threads a block: 2 in the edited copy, None the unedited kernel's 512; sizes; threads a
+# multiprocessor; the rank counts; what the run must show at one size at least)
+RUNS_SYM = {"many_blocks": (2, SIZES_SYM, 2048, (1, 3, 4), lambda grid, tiles: grid >= 100 and tiles <= grid),
+            "many_tiles": (2, SIZES_SYM, 16, (1, 3, 4), lambda grid, tiles: tiles >= 10 * grid),
+            "unedited_kernel": (None, [100003], 2048, (1, 4), lambda grid, tiles: tiles >= 4 * grid)}
+
+
 @pytest.mark.slow
-def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules):
+@pytest.mark.parametrize("run", RUNS_SYM)
+def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules, run):
     """The grid is sized from the device and the same on every rank: one block per tile of the
     largest slice (a tile: the block's threads x V elements, in whole 16-element units), up to the
     smallest GPU's multiprocessors x resident blocks. The ranks emulate different multiprocessor
@@ -690,26 +699,23 @@ def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules):
     of 512: 4 a multiprocessor) at 100003 elements the smallest GPU's 4 blocks bound the grid of
     every rank (12 on rank 0 alone, at R = 1; R = 1 and 4), 3 to 7 tiles a block. Every call matches the
     interpreter, every rank launches the grid expected for it, and both the vector and the
-    element path run (slices that start off a vector boundary take the element path)."""
-    sizes = [10, 100, 1001, 4099, 8209]
-    runs = [(2, sizes, 2048, (1, 3, 4), lambda grid, tiles: grid >= 100 and tiles <= grid),  # many blocks, one tile each
-            (2, sizes, 16, (1, 3, 4), lambda grid, tiles: tiles >= 10 * grid),  # few blocks, many tiles each
-            (None, [100003], 2048, (1, 4), lambda grid, tiles: tiles >= 4 * grid)]
-    for threads, run_sizes, sm_threads, ranks_list, most in runs:
-        mods = sym_modules(threads)
-        paths, seen = set(), False
-        for ranks in ranks_list:
-            checked = _sym_check(ranks, mods, run_sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
-            for case, grids in checked.items():
-                tile = _tile(*case, threads or 512)
-                for k, n in enumerate(run_sizes):
-                    sl = _slices(n, 1, ranks)
-                    want = _grid(sl, tile, threads or 512, sm_threads)
-                    assert grids[0][k][0] == want, (case, ranks, n, grids[0], want)
-                    seen |= most(want, -(-max(sl) // tile))
-                paths |= {p for r in grids for _, p in grids[r]}
-        assert seen, (threads, sm_threads)
-        assert paths == {"vector", "element"}, paths
+    element path run (slices that start off a vector boundary take the element path). One test
+    for each of the three runs (RUNS_SYM), so that they run side by side."""
+    threads, run_sizes, sm_threads, ranks_list, most = RUNS_SYM[run]
+    mods = sym_modules(threads)
+    paths, seen = set(), False
+    for ranks in ranks_list:
+        checked = _sym_check(ranks, mods, run_sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
+        for case, grids in checked.items():
+            tile = _tile(*case, threads or 512)
+            for k, n in enumerate(run_sizes):
+                sl = _slices(n, 1, ranks)
+                want = _grid(sl, tile, threads or 512, sm_threads)
+                assert grids[0][k][0] == want, (case, ranks, n, grids[0], want)
+                seen |= most(want, -(-max(sl) // tile))
+            paths |= {p for r in grids for _, p in grids[r]}
+    assert seen, (threads, sm_threads)
+    assert paths == {"vector", "element"}, paths
 
 
 TILES = REPO / "tests" / "programs" / "sym_tiles.ccn"  # 2-d: avg f32, max bf16, min f16
