@@ -51,7 +51,9 @@ bench/results/gpt_block_f32.json."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -472,7 +474,6 @@ def run(comm, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any], a: argparse.Namespace, R: int) -> None:
-    import json
     times = res["times"]
     bound = times["bound|GEMMs alone"]
     sh = res["shape"]
@@ -525,9 +526,49 @@ def checked_shape(a: argparse.Namespace) -> None:
         raise SystemExit(f"--h {a.h} is not a multiple of --heads {a.heads}")
 
 
+SWEEP_H = (256, 512, 1024)
+SWEEP_S = (128, 256, 512)
+
+
+def sweep(a: argparse.Namespace, rest: list[str]) -> int:
+    """--sweep: the block at H in SWEEP_H x S in SWEEP_S (B = --b, heads of 64, F = --ffn x H),
+    each size a run of this script of its own (its table printed as it goes, its JSON in
+    bench/results/gpt_block_sweep/), then one table of the best coconet against the best
+    PyTorch variant at each size, tensor and sequence parallel (bench/results/gpt_block_sweep.json)."""
+    folder = common.HERE / "results" / "gpt_block_sweep"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for h in SWEEP_H:
+        for s in SWEEP_S:
+            out = folder / f"h{h}_s{s}.json"
+            cmd = [sys.executable, __file__, *rest, "--h", str(h), "--s", str(s), "--heads", str(h // 64),
+                   "--json", str(out)]
+            print(f"== H={h} S={s}: {' '.join(cmd[1:])}", flush=True)
+            code = subprocess.run(cmd).returncode
+            if code != 0:
+                print(f"H={h} S={s}: failed with exit code {code}", flush=True)
+                rows.append({"h": h, "s": s, "failed": code})
+                continue
+            doc = json.loads(out.read_text())
+            rows.append({"h": h, "s": s, **{par: doc["summary"].get(par) for par in ("tp", "sp")}})
+    print(f"\ngpt_block forward + backward, f32, {a.ranks} ranks, B={a.b}, heads of 64, F={a.ffn}H: the best coconet "
+          "against the best PyTorch variant (speed-up = its time / coconet's)")
+    print(f"{'H':>6s} {'S':>6s} {'tensor parallel':>16s} {'sequence parallel':>18s}")
+    for r in rows:
+        cells = [f"{r[par]['speedup']:.2f}x" if r.get(par) else "-" for par in ("tp", "sp")]
+        print(f"{r['h']:6d} {r['s']:6d} {cells[0]:>16s} {cells[1]:>18s}")
+    out = Path(a.json) if a.json else common.HERE / "results" / "gpt_block_sweep.json"
+    out.write_text(json.dumps({"ranks": a.ranks, "b": a.b, "ffn": a.ffn, "reps": a.reps, "sizes": rows}, indent=2))
+    print(f"\nwrote {out}")
+    return 1 if any("failed" in r for r in rows) else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shape_arguments(ap)
+    ap.add_argument("--sweep", action="store_true",
+                    help="every H in 256, 512, 1024 and S in 128, 256, 512 (heads of 64), each a run of its own, "
+                         "then one table (bench/results/gpt_block_sweep.json)")
     ap.add_argument("--schedules", default="all", help="coconet schedules to time (comma-separated), or all")
     ap.add_argument("--sdpa", action="store_true", help="also the Megatron variants over gloo with torch's SDPA")
     ap.add_argument("--no-grad-schedules", dest="grad_schedules", action="store_false",
@@ -538,6 +579,13 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     checked_shape(a)
+    if a.sweep:
+        rest = [x for x in sys.argv[1:] if x != "--sweep"]
+        for opt in ("--h", "--s", "--heads", "--json"):  # each size's own
+            while opt in rest:
+                i = rest.index(opt)
+                del rest[i:i + 2]
+        return sweep(a, rest)
     if not common.in_mpi_job() and a.ranks > 1:  # built once here, before the ranks start
         import coconetc
         for prog in programs():
