@@ -5,8 +5,8 @@ Switched on for a block of code (`with coconetc.trace("traces/"):`) or for a who
 (COCONET_TRACE=traces/ in the environment: every rank of an MPI job writes its own file when it
 exits). Each call of a CPU module then records, on this rank's timeline (pid: the rank):
 
-  * the call itself (`module.program[schedule]`, category "call": its checks and the agreement
-    between the ranks, then the function);
+  * the call (`module.program[schedule]`, category "call": the compiled function's run, from
+    after the argument checks and the ranks' agreement to its return);
   * each unit of the function's plan (category "unit": a loop, a GEMM, an attention call, a
     library call, a collective, a fused collective, an overlap), named as `coconetc show
     --format plan` names it, with its bytes moved and sent, its flops and its time by the cost
