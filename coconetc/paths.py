@@ -41,14 +41,11 @@ def source_path(path: str | Path) -> Path:
     p = Path(path)
     if p.exists() or len(p.parts) != 1:
         return p
-    for name in (p.name, f"{p.name}.ccn"):
-        try:
-            shipped = examples_dir() / name
-        except FileNotFoundError:
-            return p
-        if name.endswith(".ccn") and shipped.is_file():
-            return shipped
-    return p
+    try:
+        shipped = examples_dir() / (p.name if p.suffix == ".ccn" else f"{p.name}.ccn")
+    except FileNotFoundError:  # an install without its examples
+        return p
+    return shipped if shipped.is_file() else p
 
 
 def install_command(extra: str) -> str:

@@ -212,7 +212,8 @@ def register(d: OpDef) -> OpDef:
 # renderers, the interpreter, autodiff) finds the file's own entry by the name in the IR. While a
 # file is checked (sourcefile.load_source) or an extern's derivative expanded, the names it wrote
 # mean its own declarations (extern_scope). A declaration equal to an entry's (the same file
-# loaded again, or the printer's text of it) replaces that entry. `shown` is how a key reads in messages and listings.
+# loaded again, or the printer's text of it) replaces that entry. `shown` is how a key reads in
+# messages and listings.
 SEP = "~"
 _SCOPE: ContextVar[Mapping[str, OpDef] | None] = ContextVar("coconet_extern_scope", default=None)
 _SCOPES: dict[str, Mapping[str, OpDef]] = {}  # a registry key -> its declaring file's externs

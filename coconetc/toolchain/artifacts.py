@@ -74,26 +74,27 @@ def _sha256(path: Path) -> str:
 _SEEN: dict[Path, tuple[int, int, str]] = {}  # path -> (size, mtime_ns, sha256) hashed by this process
 
 
+def _digest(path: Path) -> tuple[int, str]:
+    """PATH's (size, sha256), hashed once per process while its size and mtime stay the same (a
+    module's build checks the 100 MB precompiled header, every unit's object and the runtime
+    library). Raises OSError."""
+    st = path.stat()
+    seen = _SEEN.get(path)
+    if seen is None or seen[:2] != (st.st_size, st.st_mtime_ns):
+        seen = _SEEN[path] = (st.st_size, st.st_mtime_ns, _sha256(path))
+    return st.st_size, seen[2]
+
+
 def _matches(path: Path, size: int, sha256: str) -> bool:
-    """PATH has SIZE bytes and that sha256 (hashed once per process while its size and mtime
-    stay the same: a module's build checks the 100 MB precompiled header, every unit's
-    object and the runtime library)."""
     try:
-        st = path.stat()
-        if st.st_size != size:
-            return False
-        seen = _SEEN.get(path)
-        if seen is None or seen[:2] != (st.st_size, st.st_mtime_ns):
-            seen = _SEEN[path] = (st.st_size, st.st_mtime_ns, _sha256(path))
-        return seen[2] == sha256
+        return path.stat().st_size == size and _digest(path) == (size, sha256)
     except OSError:
         return False
 
 
 def _record(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    _SEEN[path] = (st.st_size, st.st_mtime_ns, _sha256(path))
-    return {"path": str(path), "size": st.st_size, "sha256": _SEEN[path][2]}
+    size, sha256 = _digest(path)
+    return {"path": str(path), "size": size, "sha256": sha256}
 
 
 def verified(out_dir: Path, module: str) -> Path | None:
@@ -203,8 +204,7 @@ def cached_object(folder: Path, key: str, suffix: str, text: str, compile_: Call
             os.replace(tmp, obj)
         finally:
             tmp.unlink(missing_ok=True)
-        rec = _record(obj)
-        write_atomic(_sum_path(obj), f"{rec['size']} {rec['sha256']}\n")
+        write_atomic(_sum_path(obj), "{} {}\n".format(*_digest(obj)))
     return obj
 
 
