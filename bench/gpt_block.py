@@ -473,14 +473,195 @@ def run(comm, a: argparse.Namespace) -> dict[str, Any]:
             "shape": {"B": a.b, "S": a.s, "H": a.h, "NH": a.heads, "HD": v.hd, "F": a.ffn * a.h}}
 
 
+class ModelVariants:
+    """--model: nanoGPT's GPT (bench/nanogpt.py, one seeded model, the same on every rank) with
+    every Block replaced from outside, as a user of an unmodified model.py does: by a
+    coconetc.torch.Module of gpt_block (or gpt_block_sp, with coconetc.torch.gpt's
+    scatter_sequence in the first block and gather_sequence in the last), or by Megatron's
+    tensor- (sequence-) parallel block over gloo, with and without SDPA attention. Each variant
+    a model of its own with nanoGPT's AdamW; a step is forward, loss, backward, the optimizer's
+    step and zero_grad."""
+
+    def __init__(self, comm, a: argparse.Namespace):
+        import torch
+        import nanogpt
+        self.comm, self.a, self.R = comm, a, comm.Get_size()
+        self.cfg = nanogpt.GPTConfig(block_size=a.s, vocab_size=a.vocab, n_layer=a.layers, n_head=a.heads,
+                                     n_embd=a.h)
+        torch.manual_seed(0)
+        self.base = nanogpt.GPT(self.cfg)
+        with torch.no_grad():  # layernorms and biases away from 1 and 0, so each one's gradient matters
+            for p in self.base.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn(p.shape) * 0.1)
+        g = torch.Generator().manual_seed(2)
+        self.idx = torch.randint(a.vocab, (a.b, a.s), generator=g)
+        self.targets = torch.randint(a.vocab, (a.b, a.s), generator=g)
+        self.hd = a.h // a.heads
+        self.steps: dict[tuple[str, str], Any] = {}
+        self.models: dict[tuple[str, str], Any] = {}
+        self.afters: dict[tuple[str, str], Any] = {}
+        self.notes: list[str] = []
+
+    def add(self, par: str, label: str, blocks, after=None) -> None:
+        """A variant: a copy of the model with block i replaced by BLOCKS(i, nanoGPT's block i)."""
+        import copy
+        m = copy.deepcopy(self.base)
+        for i, blk in enumerate(m.transformer.h):
+            m.transformer.h[i] = blocks(i, blk)
+        opt = m.configure_optimizers(0.1, 6e-4, (0.9, 0.95))
+
+        def step(m=m, opt=opt, after=after):
+            _, loss = m(self.idx, self.targets)
+            loss.backward()
+            if after is not None:
+                after()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        self.steps[par, label] = step
+        self.models[par, label] = m
+        self.afters[par, label] = after
+
+    def coconet(self, progs: dict[str, list[str]], grads: dict[str, list[str]]) -> None:
+        import torch
+        import coconetc.torch as ct
+        from coconetc.torch.gpt import block_parameters, gather_sequence, scatter_sequence
+        a, comm, L = self.a, self.comm, self.a.layers
+        scale = 1.0 / math.sqrt(self.hd)
+
+        class Layer(torch.nn.Module):
+            def __init__(self, i, blk, prog, s, g):
+                super().__init__()
+                self.sp, self.first, self.last = prog == SP, i == 0, i == L - 1
+                self.layer = ct.Module(GPT_BLOCK, prog, parameters=block_parameters(blk, a.heads), schedule=s,
+                                       grad_schedule=g, comm=comm)
+
+            def forward(self, x):
+                if self.sp and self.first:
+                    x = scatter_sequence(x, comm=comm)
+                y = self.layer(x=x.contiguous(), scale=scale, pdrop=0.0, seed=1)
+                return gather_sequence(y, a.s, comm=comm) if self.sp and self.last else y
+        for prog, scheds in progs.items():
+            chosen = scheds if a.schedules == "all" else [s for s in a.schedules.split(",") if s in scheds]
+            pairs = [(s, "default") for s in chosen]
+            for g in grads.get(prog, []) if a.grad_schedules else []:
+                pairs += [(g, g)] if g in scheds else [(s, g) for s in chosen]
+            for s, g in pairs:
+                label = f"coconet {prog} {s}" + (f", grad {g}" if g != "default" else "")
+                self.add("sp" if prog == SP else "tp", label,
+                         lambda i, blk, prog=prog, s=s, g=g: Layer(i, blk, prog, s, g))
+
+    def megatron(self) -> None:
+        import torch
+        from coconetc.ir.slices import slice_range
+        from coconetc.torch.gpt import block_parameters
+        comm, a, L = self.comm, self.a, self.a.layers
+        col = Collectives(comm, "gloo")
+        fns = conjugates(col)
+        lo, hi = slice_range(a.s, self.R, comm.Get_rank())
+
+        class Scatter(torch.autograd.Function):  # [B, S, H] -> this rank's rows as [S/R, B, H]
+            @staticmethod
+            def forward(ctx, x):
+                return x.transpose(0, 1)[lo:hi].contiguous()
+
+            @staticmethod
+            def backward(ctx, g):
+                return col.all_gather(g.contiguous()).transpose(0, 1)
+
+        class Gather(torch.autograd.Function):  # [S/R, B, H] -> [B, S, H] whole on every rank
+            @staticmethod
+            def forward(ctx, x):
+                return col.all_gather(x.contiguous()).transpose(0, 1)
+
+            @staticmethod
+            def backward(ctx, g):
+                return g.transpose(0, 1)[lo:hi].contiguous()
+
+        class Layer(torch.nn.Module):
+            def __init__(self, i, blk, sequence, sdpa):
+                super().__init__()
+                self.sequence, self.first, self.last = sequence, i == 0, i == L - 1
+                self.w = torch.nn.ParameterDict(
+                    {k: torch.nn.Parameter(v) for k, v in mine(block_parameters(blk, a.heads), comm).items()})
+                self.fn = megatron_block(col, sequence, a.h // a.heads, sdpa)
+
+            def forward(self, x):
+                if self.sequence and self.first:
+                    x = Scatter.apply(x)
+                y = self.fn(x, **self.w)
+                return Gather.apply(y) if self.sequence and self.last else y
+        del fns
+        for sdpa in (False, True):
+            suffix = ", SDPA attention" if sdpa else ""
+            self.add("tp", f"Megatron TP, torch + gloo{suffix}", lambda i, blk, sdpa=sdpa: Layer(i, blk, False, sdpa))
+            key = ("sp", f"Megatron SP, torch + gloo{suffix}")
+
+            def reduce_replicated(key=key):  # Megatron: the sequence-parallel params' grads, one flat buffer
+                ws = [b.w[k] for b in self.models[key].transformer.h for k in REPLICATED]
+                flat = torch.cat([w.grad.reshape(-1) for w in ws])
+                col.all_reduce(flat)
+                off = 0
+                for w in ws:
+                    w.grad.copy_(flat[off:off + w.numel()].view_as(w))
+                    off += w.numel()
+            self.add(*key, lambda i, blk, sdpa=sdpa: Layer(i, blk, True, sdpa), after=reduce_replicated)
+
+    def check(self) -> None:
+        """Every variant's loss and the tied embedding's gradient (replicated in every variant) after
+        one forward and backward against the unmodified model's in this process (relative 1e-4 and
+        1e-3); then the gradients cleared."""
+        _, loss = self.base(self.idx, self.targets)
+        loss.backward()
+        want, gwant = float(loss.detach()), self.base.lm_head.weight.grad.clone()
+        self.base.zero_grad(set_to_none=True)
+        for key, m in self.models.items():
+            _, loss = m(self.idx, self.targets)
+            loss.backward()
+            if self.afters[key] is not None:
+                self.afters[key]()
+            got, grad = float(loss.detach()), m.lm_head.weight.grad
+            err = float((grad - gwant).abs().max() / gwant.abs().max())
+            m.zero_grad(set_to_none=True)
+            if abs(got - want) > 1e-4 * abs(want) or err > 1e-3:
+                raise SystemExit(f"{key[1]}: loss {got:.6f} against the unmodified model's {want:.6f}, the "
+                                 f"embedding's gradient {err:.1e} relative")
+
+
+def run_model(comm, a: argparse.Namespace) -> dict[str, Any]:
+    """--model: one training step of each ModelVariants variant, timed side by side."""
+    import warnings
+
+    from coconetc.jobs.timing import slowest_medians, timed_rounds
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
+    if a.heads % comm.Get_size() or a.s % comm.Get_size():
+        raise SystemExit(f"--heads {a.heads} and --s {a.s} must be multiples of the {comm.Get_size()} ranks")
+    v = ModelVariants(comm, a)
+    v.megatron()
+    v.coconet(programs(), grad_schedules())
+    v.check()
+    times = timed_rounds(comm, {k: (lambda fn=fn: fn) for k, fn in v.steps.items()}, a.reps, 1, barrier_after=True)
+    med = slowest_medians(comm, times)
+    from mpi4py import MPI
+    best = {k: comm.allreduce(min(t), op=MPI.MAX) for k, t in times.items()}
+    return {"times": {f"{par}|{label}": t for (par, label), t in med.items()},
+            "best": {f"{par}|{label}": t for (par, label), t in best.items()}, "notes": v.notes,
+            "shape": {"B": a.b, "S": a.s, "H": a.h, "NH": a.heads, "HD": v.hd, "F": 4 * a.h,
+                      "layers": a.layers, "vocab": a.vocab}}
+
+
 def report(res: dict[str, Any], a: argparse.Namespace, R: int) -> None:
     times = res["times"]
-    bound = times["bound|GEMMs alone"]
+    bound = times.get("bound|GEMMs alone")  # (none under --model)
     sh = res["shape"]
-    print(f"\ngpt_block forward + backward, f32, {R} ranks, B={sh['B']} S={sh['S']} H={sh['H']} "
+    what = (f"nanoGPT, {sh['layers']} layers, vocabulary {sh['vocab']}: a training step (forward, loss, backward, AdamW)"
+            if a.model else "gpt_block forward + backward")
+    print(f"\n{what}, f32, {R} ranks, B={sh['B']} S={sh['S']} H={sh['H']} "
           f"NH={sh['NH']} (HD={sh['HD']}) F={sh['F']}; median of {a.reps} (slowest rank)")
     width = max(len(k.split("|")[1]) for k in times) + 2
-    print(f"{'variant':{width}s} {'ms':>9s} {'min ms':>9s} {'best PyTorch / this':>20s} {'GEMMs alone / this':>19s}")
+    print(f"{'variant':{width}s} {'ms':>9s} {'min ms':>9s} {'best PyTorch / this':>20s}"
+          + (f" {'GEMMs alone / this':>19s}" if bound else ""))
     ratios: dict[str, dict[str, float]] = {}
     summary = {}
     for par, title in (("tp", "tensor parallel"), ("sp", "sequence parallel")):
@@ -491,22 +672,24 @@ def report(res: dict[str, Any], a: argparse.Namespace, R: int) -> None:
         best = min(torch_rows.values()) if torch_rows else float("nan")
         print(f"-- {title}")
         for k, v in rows.items():
-            ratios[k] = {"vs_best_pytorch": best / v, "gemm_fraction": bound / v}
-            print(f"{'  ' + k:{width}s} {v * 1e3:9.1f} {res['best'][par + '|' + k] * 1e3:9.1f} {best / v:20.2f} "
-                  f"{bound / v:19.2f}")
+            ratios[k] = {"vs_best_pytorch": best / v, **({"gemm_fraction": bound / v} if bound else {})}
+            print(f"{'  ' + k:{width}s} {v * 1e3:9.1f} {res['best'][par + '|' + k] * 1e3:9.1f} {best / v:20.2f}"
+                  + (f" {bound / v:19.2f}" if bound else ""))
         cc = {k: v for k, v in rows.items() if k.startswith("coconet")}
         if cc and torch_rows:
             kbest = min(cc, key=cc.get)
             summary[par] = {"best_coconet": kbest, "best_pytorch": min(torch_rows, key=torch_rows.get),
-                            "speedup": best / cc[kbest], "of_gemm_bound": cc[kbest] / bound}
+                            "speedup": best / cc[kbest], **({"of_gemm_bound": cc[kbest] / bound} if bound else {})}
             print(f"  best coconet ({kbest}): {best / cc[kbest]:.2f}x the speed of the best PyTorch variant "
-                  f"({summary[par]['best_pytorch']}); its time {cc[kbest] / bound:.2f}x the GEMMs' alone")
-    print(f"-- bound\n{'  GEMMs alone':{width}s} {bound * 1e3:9.1f} {res['best']['bound|GEMMs alone'] * 1e3:9.1f}")
+                  f"({summary[par]['best_pytorch']})" + (f"; its time {cc[kbest] / bound:.2f}x the GEMMs' alone"
+                                                          if bound else ""))
+    if bound:
+        print(f"-- bound\n{'  GEMMs alone':{width}s} {bound * 1e3:9.1f} {res['best']['bound|GEMMs alone'] * 1e3:9.1f}")
     for n in res["notes"]:
         print(f"note: {n}")
-    out = Path(a.json) if a.json else common.HERE / "results" / "gpt_block_f32.json"
+    out = Path(a.json) if a.json else common.HERE / "results" / ("gpt_model_f32.json" if a.model else "gpt_block_f32.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"ranks": R, "dtype": "f32", "reps": a.reps, **res, "ratios": ratios,
+    out.write_text(json.dumps({"ranks": R, "dtype": "f32", "reps": a.reps, "model": a.model, **res, "ratios": ratios,
                                "summary": summary}, indent=2))
     print(f"\nwrote {out}")
 
@@ -535,7 +718,8 @@ def sweep(a: argparse.Namespace, rest: list[str]) -> int:
     each size a run of this script of its own (its table printed as it goes, its JSON in
     bench/results/gpt_block_sweep/), then one table of the best coconet against the best
     PyTorch variant at each size, tensor and sequence parallel (bench/results/gpt_block_sweep.json)."""
-    folder = common.HERE / "results" / "gpt_block_sweep"
+    name = "gpt_model_sweep" if a.model else "gpt_block_sweep"
+    folder = common.HERE / "results" / name
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     for h in SWEEP_H:
@@ -551,14 +735,17 @@ def sweep(a: argparse.Namespace, rest: list[str]) -> int:
                 continue
             doc = json.loads(out.read_text())
             rows.append({"h": h, "s": s, **{par: doc["summary"].get(par) for par in ("tp", "sp")}})
-    print(f"\ngpt_block forward + backward, f32, {a.ranks} ranks, B={a.b}, heads of 64, F={a.ffn}H: the best coconet "
+    what = f"nanoGPT ({a.layers} layers) training step" if a.model else "gpt_block forward + backward"
+    print(f"\n{what}, f32, {a.ranks} ranks, B={a.b}, heads of 64, F={a.ffn}H: the best coconet "
           "against the best PyTorch variant (speed-up = its time / coconet's)")
     print(f"{'H':>6s} {'S':>6s} {'tensor parallel':>16s} {'sequence parallel':>18s}")
     for r in rows:
         cells = [f"{r[par]['speedup']:.2f}x" if r.get(par) else "-" for par in ("tp", "sp")]
         print(f"{r['h']:6d} {r['s']:6d} {cells[0]:>16s} {cells[1]:>18s}")
-    out = Path(a.json) if a.json else common.HERE / "results" / "gpt_block_sweep.json"
-    out.write_text(json.dumps({"ranks": a.ranks, "b": a.b, "ffn": a.ffn, "reps": a.reps, "sizes": rows}, indent=2))
+    out = Path(a.json) if a.json else common.HERE / "results" / f"{name}.json"
+    out.write_text(json.dumps({"ranks": a.ranks, "b": a.b, "ffn": a.ffn, "reps": a.reps, "model": a.model,
+                               **({"layers": a.layers, "vocab": a.vocab} if a.model else {}), "sizes": rows},
+                              indent=2))
     print(f"\nwrote {out}")
     return 1 if any("failed" in r for r in rows) else 0
 
@@ -574,11 +761,18 @@ def main() -> int:
     ap.add_argument("--no-grad-schedules", dest="grad_schedules", action="store_false",
                     help="leave out the file's `schedule s for grad(p)`s (each timed with the forward schedule of its name, "
                          "else with each forward schedule timed)")
+    ap.add_argument("--model", action="store_true",
+                    help="the block inside nanoGPT's GPT (bench/nanogpt.py): a training step of the model with every "
+                         "Block replaced, against the model with Megatron's blocks (bench/results/gpt_model_f32.json)")
+    ap.add_argument("--layers", type=int, default=2, help="--model: the model's blocks")
+    ap.add_argument("--vocab", type=int, default=65, help="--model: the vocabulary (nanoGPT's shakespeare_char: 65)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     checked_shape(a)
+    if a.model and a.ffn != 4:
+        raise SystemExit("--model: nanoGPT's MLP is 4 x H wide; leave out --ffn")
     if a.sweep:
         rest = [x for x in sys.argv[1:] if x != "--sweep"]
         for opt in ("--h", "--s", "--heads", "--json"):  # each size's own
@@ -593,7 +787,7 @@ def main() -> int:
         from coconetc.launch.mpiexec import run_python
         return run_python(a.ranks, [__file__, *sys.argv[1:]])
     comm = common.setup_rank()
-    res = run(comm, a)
+    res = run_model(comm, a) if a.model else run(comm, a)
     if comm.Get_rank() == 0:
         report(res, a, comm.Get_size())
     return 0
