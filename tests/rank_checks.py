@@ -16,6 +16,8 @@ from coconetc.launch import mpiexec
 from coconetc.launch.mpiexec import run_python
 from coconetc.toolchain import probes
 
+import rank_pool
+
 
 @contextmanager
 def build_cache(request) -> Iterator[Path]:
@@ -44,11 +46,29 @@ def shared_file(request, folder: str, name: str, text: str) -> Path:
     return f
 
 
-def launch(capfd, worker: Path, ranks: int, *args: str, timeout: float = 500) -> tuple[int, list[str], str]:
-    """Run `python WORKER ARGS` on R ranks: (exit code, stdout lines, a log for assertion messages)."""
-    rc = run_python(ranks, [str(worker), *args], timeout=timeout)
-    out, err = capfd.readouterr()
+def launch(capfd, worker: Path, ranks: int, *args: str, timeout: float = 500,
+           env: dict[str, str] | None = None) -> tuple[int, list[str], str]:
+    """Run `python WORKER ARGS` on R ranks: (exit code, stdout lines, a log for assertion
+    messages). On the process's pool of R ranks (tests/rank_pool.py); with ENV (added to the
+    ranks' environment before they start) on ranks of its own."""
+    if env is None:
+        rc, out, err = rank_pool.run(ranks, [str(worker), *args], timeout)
+    else:
+        rc = run_python(ranks, [str(worker), *args], timeout=timeout, env=env)
+        out, err = capfd.readouterr()
     return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+
+
+def ranks_run(ranks: int, argv: list[str], timeout: float = 600,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python ARGV` on R ranks, answered as subprocess.run(capture_output=True, text=True)
+    answers: on the process's pool of R ranks, or with ENV (added to the environment the ranks
+    start in: the runtime reads some variables once) on ranks of its own."""
+    if not env:
+        return rank_pool.completed(ranks, [str(a) for a in argv], timeout)
+    return subprocess.run(mpiexec.command(ranks, [sys.executable, *map(str, argv)]),
+                          env={**mpiexec.environment(ranks), **env}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
@@ -62,14 +82,13 @@ def run_jobs(ranks: int, jobs: Sequence[Sequence[str]], env: dict[str, str] | No
     Its result lines are `coconetc run`'s: "<program> [<schedule>]: R ranks: ...: <status>".
     The ranks build a module not built yet (one of them; the others wait for it): TIMEOUT
     (default 600 s a job, as the tests gave each `coconetc run`) covers that."""
-    argv = [sys.executable, str(RUN_JOBS)]
+    argv = [str(RUN_JOBS)]
     for job in jobs:
         argv += [*job, "--"]
-    res = subprocess.run(mpiexec.command(ranks, argv), env={**mpiexec.environment(ranks), **(env or {})},
-                         capture_output=True, text=True, timeout=timeout or 600 * len(jobs))
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out
-    return out
+    res = ranks_run(ranks, argv, timeout or 600 * len(jobs), env)
+    rc, out, err = res.returncode, res.stdout, res.stderr
+    assert rc == 0, out + err
+    return out + err
 
 
 def check(lines: list[str], log: str, labels: list[str], prefix: bool = False) -> None:

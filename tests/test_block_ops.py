@@ -33,6 +33,8 @@ from coconetc.launch import mpiexec
 from coconetc.sourcefile import load_file, load_source
 from coconetc.toolchain import probes
 
+from rank_checks import ranks_run
+
 WORKER = str(Path(__file__).with_name("grad_backends_worker.py"))
 
 # Programs compiled by both backends (with their derived programs): every operation once.
@@ -444,8 +446,7 @@ def _block_text(programs: str = BLOCK) -> str:
 
 
 def _launch(ranks: int, args: list[str], programs: int = 2 * len(load_source(BLOCK).programs)) -> None:
-    cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
-    res = subprocess.run(cmd, env=mpiexec.environment(ranks), capture_output=True, text=True, timeout=600)
+    res = ranks_run(ranks, [WORKER, *args])
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]

@@ -20,11 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from rank_checks import symmetric_window_bytes
+from rank_checks import ranks_run, symmetric_window_bytes
 
 from coconetc import toolchain
 from coconetc.toolchain import compiler, probes
-from coconetc.launch import mpiexec
+
 
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
@@ -37,12 +37,7 @@ pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
 
 
 def _launch(ranks: int, args: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    e = dict(os.environ, **(env or {}))
-    e.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    e.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    e.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
-    return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    return ranks_run(ranks, [WORKER, *args], timeout, env)
 
 
 @pytest.fixture(scope="module")

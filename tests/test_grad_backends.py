@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,10 +19,11 @@ import pytest
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
 from coconetc.ir import printer
-from coconetc.launch import mpiexec
 from coconetc.plan.targets import Target
 from coconetc.sourcefile import load_file, load_source
 from coconetc.toolchain import probes
+
+from rank_checks import ranks_run
 
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
@@ -147,9 +147,7 @@ def _write(tmp: Path, name: str, text: str) -> Path:
 
 
 def _launch(ranks: int, args: list[str], timeout: float = 600, **extra: str) -> subprocess.CompletedProcess:
-    env = {**mpiexec.environment(ranks), **extra}
-    cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return ranks_run(ranks, [WORKER, *args], timeout, extra)
 
 
 def _check(res: subprocess.CompletedProcess, programs: int) -> None:

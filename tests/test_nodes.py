@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from coconetc.runtime import node_ranks as nodes
-from tests.rank_checks import check, launch
+from rank_checks import check, launch
 
 REPO = Path(__file__).resolve().parents[1]
 EXE = Path(sys.executable).parent / "coconetc"
