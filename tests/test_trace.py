@@ -2,7 +2,8 @@
 a Chrome-trace/Perfetto file per rank whose units are the plan's, in its order, with the cost
 model's bytes and flops; each chunk of an overlap; the ranks' files merged; a limit on events
 and an unwritable folder each giving one warning while the calls still run; tracing leaves the
-results as they are."""
+results as they are; a CUDA module's units and pieces timed by CUDA events on its streams (under
+the host emulation)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from coconetc.cli import main
 from rank_checks import check, launch
 
 WORKER = Path(__file__).with_name("trace_worker.py")
+CUDA_WORKER = Path(__file__).with_name("trace_cuda_worker.py")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +35,23 @@ def test_a_trace_holds_the_plans_units_and_the_overlaps_chunks(capfd, tmp_path):
     assert merged["otherData"] == {"ranks": [0, 1], "dropped_events": 0}
     res = CliRunner().invoke(main, ["trace-merge", str(tmp_path)])  # no rank files there
     assert res.exit_code != 0 and "no trace.rank<r>.json" in res.output
+
+
+def test_an_emulated_cuda_modules_units_are_timed_on_its_streams(capfd, tmp_path):
+    """The emulated CUDA module of tp_overlap.ccn (built once, before the ranks start) traced on
+    2 ranks: its units as planned, with the model's figures and positive times from the CUDA
+    events on the call's stream; the NCCL calls and the overlap's chunks as pieces on their
+    streams (tests/trace_cuda_worker.py)."""
+    from coconetc import toolchain
+    from coconetc.sourcefile import load_file
+    from coconetc.toolchain import probes
+    if (why := probes.emulation_missing()) is not None:
+        pytest.skip(why)
+    toolchain.compile(load_file(REPO / "examples" / "tp_overlap.ccn"), "cuda-emulated",
+                      toolchain.Options(log=lambda msg: None))
+    rc, lines, log = launch(capfd, CUDA_WORKER, 2, str(tmp_path))
+    assert rc == 0, log
+    check(lines, log, ["units_timed_on_the_streams"])
 
 
 ONE = """

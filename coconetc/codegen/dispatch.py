@@ -17,12 +17,13 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, 
 
 
 def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None],
-             check: Callable[[Library], None] | None = None, marks: bool = False) -> Function:
+             check: Callable[[Library], None] | None = None, mark: str = "") -> Function:
     """The function, laid out the same way by every backend: the size symbols, each buffer
     of the plan declared, the reshapes' checks where a unit computes into an output's memory
     before its reshape would check the sizes (check(u): the backend's text), each unit rendered.
-    marks: each unit between the trace's marks (coconet/trace.h: the unit's index in the plan,
-    which coconetc/runtime/trace.py names)."""
+    mark: the backend's trace mark of unit k (its declaration of trace_{k}, formatted with k;
+    coconet/trace.h, coconet/cuda/trace.cuh: the unit's index in the plan, which
+    coconetc/runtime/trace.py names), each unit between it and trace_{k}.end()."""
     for i, sym in enumerate(w.sig.sizes):
         w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
     for b in _declaration_order(w.plan.buffers):
@@ -33,10 +34,10 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
             if isinstance(u, Library) and u.op == "reshape":
                 check(u)
     for k, u in enumerate(w.plan.units):
-        if marks:
-            w.emit(f"coconet::trace::Unit trace_{k}({k});")
+        if mark:
+            w.emit(mark.format(k=k))
         unit(u)
-        if marks:
+        if mark:
             w.emit(f"trace_{k}.end();")
     comment = f"program {w.plan.program}, schedule {w.plan.schedule} ({w.file})"
     return Function(w.fn, comment, w.lines, w.sig)

@@ -21,6 +21,7 @@ file holds the module and the emulated module; `nccl_comm`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import ScheduleLabel
 from coconetc.plan.targets import Target
-from coconetc.runtime import marshal, programs
+from coconetc.runtime import marshal, programs, trace
 from coconetc.runtime.backends import BACKENDS, backend_for
 from coconetc.runtime.emulation import EMULATE, emulating
 from coconetc.runtime.entry import Call, enter
@@ -89,6 +90,7 @@ class CudaModule:
         def make(prog: str, scheds: dict[str, Program]) -> CudaProgram:
             fn = self._function(prog, scheds, ext)
             fn.source, fn.file, fn.target = mod.source, mod.file, self.target
+            fn.whole = lambda: (mod, src)  # (a trace names the plan's units)
             return fn
         implemented = {k: ir for k, ir in mod.variants().items() if k in src.functions}  # by the CUDA renderer
         self.programs: dict[str, CudaProgram] = programs.bind(self, implemented, make)
@@ -119,6 +121,7 @@ class CudaProgram:
         # schedule="auto" (runtime/auto.py): the records measured on this target
         self.source, self.file, self.target = "", "FILE", "cuda"
         self.tuned: list | None = None
+        self.whole: Callable[[], tuple[Any, Any]] | None = None  # (SourceFile, sources): a trace names the units
         self.auto_memo: dict[tuple, str] = {}
         # the recent agreed calls (RecentCall), by their buffers (fastpath.Recent)
         self.recent = Recent(tuple(q.name for q in next(iter(schedules.values())).params if not q.scalar))
@@ -188,7 +191,10 @@ def _run(fn: CudaProgram, call: Call, comm: NcclComm, groups: int, make, stream:
         args.stream = stream
         args.comm, args.groups = comm.handle, groups
     gs = call.ranks // groups
-    outs = programs.run(fn, call, gs, comm.rank % gs, make, extra, around)
+    if trace.active() is not None:  # the units timed on the GPU by CUDA events (coconet/cuda/trace.cuh)
+        outs = trace.traced(fn, call, lambda: programs.run(fn, call, gs, comm.rank % gs, make, extra, around))
+    else:
+        outs = programs.run(fn, call, gs, comm.rank % gs, make, extra, around)
     if rec is not None and call.config is not None:  # the next call with these buffers repeats it
         rec.config = call.config
     return outs

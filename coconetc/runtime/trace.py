@@ -3,7 +3,7 @@ rank (open it in https://ui.perfetto.dev or chrome://tracing).
 
 Switched on for a block of code (`with coconetc.trace("traces/"):`) or for a whole process
 (COCONET_TRACE=traces/ in the environment: every rank of an MPI job writes its own file when it
-exits). Each call of a CPU module then records, on this rank's timeline (pid: the rank):
+exits). Each call of a compiled module then records, on this rank's timeline (pid: the rank):
 
   * the call (`module.program[schedule]`, category "call": the compiled function's run, from
     after the argument checks and the ranks' agreement to its return);
@@ -17,6 +17,11 @@ exits). Each call of a CPU module then records, on this rank's timeline (pid: th
 
 The runtime marks the units in the generated code and the pieces in its headers (coconet/trace.h);
 while tracing is off a mark costs one relaxed atomic load (bench/call_overhead.py measures it).
+A CUDA module (also under the host emulation) records the same units, timed by CUDA events on
+the call's stream, and its pieces (each NCCL call, each chunk of an overlap or a fused
+collective) by events on their own streams (coconet/cuda/trace.cuh): each stream is a track of
+its own (tid STREAM_TRACK + k), the call on the host thread's; taking a traced call's events
+waits for its GPU work.
 
 A trace never grows without bound: it keeps at most `max_events` events (default 1,000,000,
 COCONET_TRACE_MAX_EVENTS; about 150 bytes each in the file); the events past it are counted in
@@ -42,6 +47,7 @@ ENV_TRACE = "COCONET_TRACE"  # a folder: this process traces every call and writ
 ENV_MAX_EVENTS = "COCONET_TRACE_MAX_EVENTS"
 MAX_EVENTS = 1_000_000
 FILE = "trace.rank{rank}.json"
+STREAM_TRACK = 1000  # a CUDA module's events: the tid of its k-th stream is STREAM_TRACK + k (cuda/trace.cuh)
 
 
 class Session:
@@ -57,6 +63,7 @@ class Session:
         self.ok = _writable(self.folder)
         self._names: dict[tuple[int, str], list[str]] = {}
         self._costs: dict[tuple, list[dict[str, float]]] = {}
+        self.tracks: set[int] = set()  # the tids of a CUDA module's streams met (STREAM_TRACK on), named in the file
         self._warned = False
 
     def room(self) -> int:
@@ -100,7 +107,7 @@ class Session:
         if not self.ok:
             return None
         rank = _rank()
-        doc = {"traceEvents": [*_metadata(rank), *self.events], "displayTimeUnit": "ms",
+        doc = {"traceEvents": [*_metadata(rank, self.tracks), *self.events], "displayTimeUnit": "ms",
                "otherData": {"rank": rank, "dropped_events": self.dropped, "max_events": self.max_events,
                              "clock": "CLOCK_MONOTONIC, microseconds"}}
         path = self.folder / FILE.format(rank=rank)
@@ -177,9 +184,11 @@ def _rank() -> int:
     return 0
 
 
-def _metadata(rank: int) -> list[dict[str, Any]]:
+def _metadata(rank: int, tracks: set[int]) -> list[dict[str, Any]]:
     return [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
-            {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+            *({"name": "thread_name", "ph": "M", "pid": rank, "tid": k,
+               "args": {"name": f"stream {k - STREAM_TRACK}"}} for k in sorted(tracks))]
 
 
 def _plan(fn: Any, schedule: str) -> Any:
@@ -209,7 +218,8 @@ def _add(s: Session, fn: Any, call: Any, rank: int, t0: int, t1: int, events: li
     schedule = call.label.name
     names = s.unit_names(fn, schedule)
     costs = s.unit_costs(fn, schedule, dict(call.sizes), call.ranks)
-    tid = min((e[5] for e in events), default=0)
+    tid = min((e[5] for e in events if e[5] < STREAM_TRACK), default=0)  # (a CUDA module's: all on streams)
+    s.tracks.update(e[5] for e in events if e[5] >= STREAM_TRACK)
     s.add({"name": f"{fn.ext.__name__}.{fn.name}[{call.label}]", "cat": "call", "ph": "X", "pid": rank, "tid": tid,
            "ts": t0 / 1e3, "dur": (t1 - t0) / 1e3, "args": {"sizes": dict(call.sizes), "ranks": call.ranks}})
     for unit, chunk, what, a, b, thread in events:

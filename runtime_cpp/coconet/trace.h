@@ -8,7 +8,9 @@
 // start of its communication, its consumer) or of a fused collective (its computation), and
 // each wait for communication. Events go to one buffer per process, under a mutex, up to a
 // limit (set_on's max_events: events past it are counted, not kept); the Python side takes them
-// after each call (take).
+// after each call (take). A CUDA module has the same state and buffer (one copy per module,
+// state.h); its marks time the work queued on the GPU with CUDA events (cuda/trace.cuh) and are
+// added here when the Python side takes the call's events.
 #pragma once
 
 #include <atomic>

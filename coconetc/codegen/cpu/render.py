@@ -49,7 +49,8 @@ class CpuRenderer:
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
 
     def render(self) -> Function:
-        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check, marks=True)
+        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check,
+                                 mark="coconet::trace::Unit trace_{k}({k});")
 
     def _reshape_check(self, u: Library) -> None:
         """A reshape's check of its sizes alone (x == y: no copy), before the units run."""

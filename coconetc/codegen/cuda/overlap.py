@@ -14,6 +14,11 @@ from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.emit import CTYPE
 from coconetc.plan.units import Fused, GatherChunks, GatherMatmul, Overlap, Unit
 
+# an overlap's pieces in a trace (coconet/cuda/trace.cuh; docs/tracing.md): a chunk's GEMM (produce, on the
+# call's stream; consume: the GEMM reading a gathered chunk) and its communication (on the comm stream)
+PRODUCE, CONSUME = "overlap: produce the chunk", "overlap: consume the chunk"
+COMMUNICATE, GATHER = "overlap: communicate the chunk", "overlap: gather the chunk"
+
 
 class CudaOverlap:
     """unit: renders the units that wait for every chunk (the renderer's dispatch)."""
@@ -45,16 +50,20 @@ class CudaOverlap:
             self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
             self.w.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
+            self._piece(PRODUCE, "i", "stream")
             for call in library_calls.overlap_gemms(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
                                                     f"v_{y} + r.begin * {_prod(ly[1:])}"):
-                self._gemm(ct, call, "    ")
+                self._gemm(ct, call, "      ")
+            self.w.emit("    }")
             self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
             src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
-            self.w.emit(dispatch.chunk_collective(self.w, u, {
+            self._piece(COMMUNICATE, "i", "ctx.comm_stream")
+            self.w.emit("  " + dispatch.chunk_collective(self.w, u, {
                 "allreduce": lambda _: f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * "
                                        f"{_prod(ly[1:])}, cctx);",
                 "reducescatter": lambda split: f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, {split}, "
                                                "cctx);"}))
+            self.w.emit("    }")
             self.w.emit("  }")
         else:
             self._overlap_packed(u, ct, op, ly, lc, ev)
@@ -86,9 +95,11 @@ class CudaOverlap:
             self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob < {u.chunks} ? ob : 0);")
             self.w.emit(f"    const bool here = ob < {u.chunks} && !rb.empty();")
             self.w.emit("    if (here) {")
+        self._piece(PRODUCE, "ob", "stream")
         for call in library_calls.overlap_gemms(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
                                                 f"v_{y} + rb.begin * {_prod(ly[1:])}"):
-            self._gemm(ct, call, "    ")
+            self._gemm(ct, call, "      ")
+        self.w.emit("    }")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
         if u.then is not None:
             self.w.emit("    }")
@@ -116,7 +127,9 @@ class CudaOverlap:
         self.w.emit(f"    const coconet::Range rp = coconet::slice_range({rows}, {chunks}, ob > 0 ? ob - 1 : 0);")
         self.w.emit("    if (ob > 0 && !rp.empty()) {")
         self.w.emit(f"      coconet::cuda::wait_mark({gathered}, ctx.stream);  // block ob-1's fused collective is done")
-        self._gemm_rows(t, ct, f"rp.begin * {rows_per}", f"rp.size() * {rows_per}", cols, "      ")
+        self._piece(CONSUME, "ob - 1", "ctx.stream", "      ")
+        self._gemm_rows(t, ct, f"rp.begin * {rows_per}", f"rp.size() * {rows_per}", cols, "        ")
+        self.w.emit("      }")
         self.w.emit("    }")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, lc, ev: int) -> None:
@@ -134,21 +147,25 @@ class CudaOverlap:
         self.w.emit("    if (r.empty()) continue;")
         self.w.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
         self.w.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
+        self._piece(PRODUCE, "i", "stream")
         if d == nd - 1:  # a block of b (its columns; matmul_nt: its rows): P[M, |r|]
-            self._gemm(ct, library_calls.overlap_cols(self.w, u, "P"), "    ")
+            self._gemm(ct, library_calls.overlap_cols(self.w, u, "P"), "      ")
         else:
             rows_per = _prod(ly[d + 1:-1])
-            self.w.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
+            self.w.emit(f"      for (int64_t o = 0; o < {outer}; ++o)")
             self._gemm(ct, library_calls.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}",
-                                                f"r.size() * {rows_per}", f"P + o * r.size() * {inner}"), "      ")
+                                                f"r.size() * {rows_per}", f"P + o * r.size() * {inner}"), "        ")
         if u.keep_producer:
-            self.w.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
+            self.w.emit(f"      coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
+        self.w.emit("    }")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
-        self.w.emit(dispatch.chunk_collective(self.w, u, {
+        self._piece(COMMUNICATE, "i", "ctx.comm_stream")
+        self.w.emit("  " + dispatch.chunk_collective(self.w, u, {
             "allreduce": lambda _: f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);",
             "reducescatter": lambda split: f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {split}, cctx);",
             "allgather": lambda split: f"    coconet::cuda::allgather<{ct}>(P, Q, {split}, cctx);"}))
-        self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
+        self.w.emit(f"      coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
+        self.w.emit("    }")
         self.w.emit("  }")
 
     def render_gather_matmul(self, u: GatherMatmul) -> None:
@@ -172,40 +189,54 @@ class CudaOverlap:
         self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
         arrived = f"    coconet::cuda::join(ctx.comm_stream, ctx.stream, {ev});  // chunk i has arrived"
         if u.how == GatherChunks.PIECES:
-            self.w.emit(f"    coconet::cuda::allgather_pieces<{ct}>(v_{c.src}, v_{c.dst}, {g.n}, {g.g_inner}, "
+            self._piece(GATHER, "i", "ctx.comm_stream")
+            self.w.emit(f"      coconet::cuda::allgather_pieces<{ct}>(v_{c.src}, v_{c.dst}, {g.n}, {g.g_inner}, "
                         f"{u.chunks}, i, cctx);")
+            self.w.emit("    }")
             self.w.emit(arrived)
-            self.w.emit("    for (int q = 0; q < comm.size; ++q) {")
-            self.w.emit(f"      const coconet::Range r = coconet::piece_range({g.n}, comm.size, q, {u.chunks}, i);")
-            self.w.emit("      if (r.empty()) continue;")
-            self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "      ")
+            self._piece(CONSUME, "i", "stream")
+            self.w.emit("      for (int q = 0; q < comm.size; ++q) {")
+            self.w.emit(f"        const coconet::Range r = coconet::piece_range({g.n}, comm.size, q, {u.chunks}, i);")
+            self.w.emit("        if (r.empty()) continue;")
+            self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "        ")
+            self.w.emit("      }")
             self.w.emit("    }")
         else:
             self.w.emit(f"    const coconet::Range r = coconet::slice_range({g.n}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
             src, dst = g.rows_src, g.rows_dst
+            self._piece(GATHER, "i", "ctx.comm_stream")
             if u.how == GatherChunks.PACKED:
-                self.w.emit(f"    {ct}* const P = P_all + {g.x_outer} * r.begin * {g.x_inner};")
-                self.w.emit(f"    {ct}* const Q = Q_all + {g.g_outer} * r.begin * {g.g_inner};")
-                self.w.emit(f"    coconet::cuda::pack<{ct}>(v_{c.src}, P, {g.x_outer}, {g.n}, {g.x_inner}, r, "
+                self.w.emit(f"      {ct}* const P = P_all + {g.x_outer} * r.begin * {g.x_inner};")
+                self.w.emit(f"      {ct}* const Q = Q_all + {g.g_outer} * r.begin * {g.g_inner};")
+                self.w.emit(f"      coconet::cuda::pack<{ct}>(v_{c.src}, P, {g.x_outer}, {g.n}, {g.x_inner}, r, "
                             "ctx.comm_stream);")
                 src, dst = "P", "Q"
             if c.op == "allgather":
-                self.w.emit(f"    coconet::cuda::allgather<{ct}>({src}, {dst}, {g.call}, cctx);")
+                self.w.emit(f"      coconet::cuda::allgather<{ct}>({src}, {dst}, {g.call}, cctx);")
             else:
-                self.w.emit(f"    coconet::cuda::broadcast<{ct}>({src}, {dst}, {g.call}, {c.root}, cctx);")
+                self.w.emit(f"      coconet::cuda::broadcast<{ct}>({src}, {dst}, {g.call}, {c.root}, cctx);")
             if u.how == GatherChunks.PACKED:
-                self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c.dst}, {g.g_outer}, {g.n}, {g.g_inner}, r, "
+                self.w.emit(f"      coconet::cuda::unpack<{ct}>(Q, v_{c.dst}, {g.g_outer}, {g.n}, {g.g_inner}, r, "
                             "ctx.comm_stream);")
+            self.w.emit("    }")
             self.w.emit(arrived)
+            self._piece(CONSUME, "i", "stream")
             if u.how == GatherChunks.ROWS:
-                self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
+                self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "      ")
             else:
-                self.w.emit(f"    for (int64_t o = 0; o < {g.g_outer}; ++o)")
+                self.w.emit(f"      for (int64_t o = 0; o < {g.g_outer}; ++o)")
                 self._gemm_rows(u, ct, f"(o * {g.n} + r.begin) * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols,
-                                "      ")
+                                "        ")
+            self.w.emit("    }")
         self.w.emit("  }")
         self.w.emit("}")
+
+    def _piece(self, what: str, chunk: str, stream: str, ind: str = "    ") -> None:
+        """Opens a block whose work queued on STREAM is a piece of the unit in a trace
+        (coconet/cuda/trace.cuh: Piece, chunk CHUNK); the caller closes it."""
+        self.w.emit(f"{ind}{{")
+        self.w.emit(f'{ind}  const coconet::cuda::trace::Piece tp("{what}", {chunk}, {stream});')
 
     def _gemm_rows(self, u: GatherMatmul, ct: str, first: str, count: str, cols: str, ind: str) -> None:
         self._gemm(ct, library_calls.overlap_rows(self.w, u, f"({first})", count, f"v_{u.consumer} + ({first}) * {cols}"),

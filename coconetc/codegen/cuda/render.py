@@ -55,7 +55,8 @@ class CudaRenderer:
 
     def render(self) -> Function:
         assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
-        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check)
+        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check,
+                                 mark="coconet::cuda::trace::Unit trace_{k}({k}, stream);")
 
     def _reshape_check(self, u: Library) -> None:
         """A reshape's check of its sizes alone (x == y: no copy), before the units run."""

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "../turns.h"
-#include "core.cuh"
+#include "trace.cuh"
 
 namespace coconet {
 namespace cuda {
@@ -49,8 +49,10 @@ inline void combine_calls(Batch& b, int slot, double* acc, int64_t k, bool cross
     double* total = scratch<double>(kBatchTotalSite, n);
     COCONET_CUDA(cudaMemcpyAsync(total, parts[0], bytes, cudaMemcpyDeviceToDevice, c.stream));
     for (size_t s = 1; s < parts.size(); ++s) fold_into(total, parts[s], n, extreme, c);
-    if (cross_rank)
+    if (cross_rank) {
+      const trace::Piece nccl("NCCL allreduce", -1, c.stream);
       COCONET_CUDA(ncclAllReduce(total, total, size_t(n), ncclFloat64, extreme ? ncclMax : ncclSum, c.comm, c.stream));
+    }
     for (double* p : parts) COCONET_CUDA(cudaMemcpyAsync(p, total, bytes, cudaMemcpyDeviceToDevice, c.stream));
   });
 }
@@ -62,6 +64,7 @@ inline void reduce_across(double* acc, int64_t k, bool cross_rank, bool extreme,
   if (Batch* b = current_batch()) {
     combine_calls(*b, batch_slot(), acc, k, cross_rank, extreme, c);
   } else if (cross_rank) {
+    const trace::Piece nccl("NCCL allreduce", -1, c.stream);
     COCONET_CUDA(ncclAllReduce(acc, acc, size_t(k), ncclFloat64, extreme ? ncclMax : ncclSum, c.comm, c.stream));
   }
 }

@@ -73,6 +73,22 @@ PYBIND11_MODULE(coconet_bound, m) {
   }, "bytes the symmetric kernel reads in place (collective over comm): their address");
   m.def("window_index", &coconet::cuda::window_index, py::call_guard<py::gil_scoped_release>(),
         "which of comm's window_empty windows the symmetric kernel reads in place holds the bytes (-1: none)");
+  m.def("_trace_on", &coconet::trace::set_on, py::arg("on"), py::arg("max_events"),
+        "records the units of every call in this process from now on (coconet/cuda/trace.cuh), or stops");
+  m.def("_trace_take", [] {
+    int64_t dropped = 0;
+    std::vector<coconet::trace::Event> events;
+    {
+      py::gil_scoped_release release;
+      coconet::cuda::trace::resolve();  // waits for the GPU to reach the marks' events
+      events = coconet::trace::take(&dropped);
+    }
+    py::list out;
+    for (const auto& e : events)
+      out.append(py::make_tuple(e.unit, e.chunk, e.what ? py::str(e.what) : py::str(""), e.t0, e.t1, e.thread));
+    return py::make_tuple(out, dropped);
+  }, "the events recorded since the last take, as the CPU module's: ([(unit, chunk, what, t0_ns, t1_ns, track)], "
+     "dropped); a track from coconet::cuda::trace::kStreamTrack on is a stream's");
   m.attr("fused_trial_calls") = coconet::cuda::kTrialCalls;  // auto's first calls of a fused unit try both algorithms
 #ifdef COCONET_EMULATE
   m.attr("emulated") = true;

@@ -23,6 +23,7 @@ struct Group_ {  // ncclGroupStart/End as a scope
 
 template <class T>
 void allreduce(ncclRedOp_t op, const T* x, T* y, int64_t n, const Ctx& c, cudaStream_t s = nullptr) {
+  const trace::Piece nccl("NCCL allreduce", -1, s ? s : c.stream);
   COCONET_CUDA(ncclAllReduce(x, y, size_t(n), NcclType<T>::t, op, c.comm, s ? s : c.stream));
 }
 
@@ -32,6 +33,7 @@ void allreduce(ncclRedOp_t op, const T* x, T* y, int64_t n, const Ctx& c, cudaSt
 template <class T>
 void reduce_scatter(ncclRedOp_t op, const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL reduce-scatter", -1, c.stream);
   if (outer == 1 && n % R == 0) {
     COCONET_CUDA(ncclReduceScatter(x, y, size_t(n / R * inner), NcclType<T>::t, op, c.comm, c.stream));
     return;
@@ -51,6 +53,7 @@ void reduce_scatter(ncclRedOp_t op, const T* x, T* y, int64_t outer, int64_t n, 
 template <class T>
 void allgather(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL allgather", -1, c.stream);
   if (outer == 1 && n % R == 0) {
     COCONET_CUDA(ncclAllGather(x, y, size_t(n / R * inner), NcclType<T>::t, c.comm, c.stream));
     return;
@@ -72,6 +75,7 @@ template <class T>
 void allgather_pieces(const T* x, T* y, int64_t n, int64_t inner, int k, int i, const Ctx& c) {
   const int R = c.group.size;
   const Range mine = slice_range(slice_range(n, R, c.group.rank).size(), k, i);
+  const trace::Piece nccl("NCCL allgather", i, c.stream);
   Group_ g;
   for (int q = 0; q < R; ++q) {
     const Range p = piece_range(n, R, q, k, i);
@@ -93,12 +97,14 @@ void scatter_copy(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, con
 
 template <class T>
 void broadcast(const T* x, T* y, int64_t n, int root, const Ctx& c) {
+  const trace::Piece nccl("NCCL broadcast", -1, c.stream);
   COCONET_CUDA(ncclBroadcast(x, y, size_t(n), NcclType<T>::t, root, c.comm, c.stream));
 }
 
 // The reduction on root; the other ranks keep x.
 template <class T>
 void reduce(ncclRedOp_t op, const T* x, T* y, int64_t n, int root, const Ctx& c) {
+  const trace::Piece nccl("NCCL reduce", -1, c.stream);
   if (c.group.rank != root && x != y)
     COCONET_CUDA(cudaMemcpyAsync(y, x, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
   COCONET_CUDA(ncclReduce(x, y, size_t(n), NcclType<T>::t, op, root, c.comm, c.stream));
@@ -113,6 +119,7 @@ void send_shift(const T* x, T* y, int64_t n, bool next, const Ctx& c) {
   const bool has_to = to >= 0 && to < c.groups, has_from = from >= 0 && from < c.groups;
   if (!has_from) COCONET_CUDA(cudaMemsetAsync(y, 0, size_t(n) * sizeof(T), c.stream));
   if (!has_to && !has_from) return;
+  const trace::Piece nccl("NCCL send/recv", -1, c.stream);
   Group_ grp;
   if (has_to) COCONET_CUDA(ncclSend(x, size_t(n), NcclType<T>::t, to * gs + c.wrank % gs, c.world, c.stream));
   if (has_from) COCONET_CUDA(ncclRecv(y, size_t(n), NcclType<T>::t, from * gs + c.wrank % gs, c.world, c.stream));
@@ -147,6 +154,7 @@ void copy_in(const T* src, const Segments<T>& dst, int64_t n, const Ctx& c) {
 // y[0, N) = the reduction over ranks of every segment of x: one grouped ncclAllReduce per segment.
 template <class T>
 void allreduce(ncclRedOp_t op, const Segments<T>& x, T* y, const Ctx& c) {
+  const trace::Piece nccl("NCCL allreduce", -1, c.stream);
   Group_ g;
   for (size_t s = 0; s < x.ptrs.size(); ++s)
     if (x.sizes[s] > 0)
@@ -158,6 +166,7 @@ void allreduce(ncclRedOp_t op, const Segments<T>& x, T* y, const Ctx& c) {
 template <class T>
 void reduce_scatter(ncclRedOp_t op, const Segments<T>& x, T* y, int64_t n, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL reduce-scatter", -1, c.stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
@@ -172,6 +181,7 @@ void reduce_scatter(ncclRedOp_t op, const Segments<T>& x, T* y, int64_t n, const
 template <class T>
 void allgather(const T* x, const Segments<T>& y, int64_t n, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL allgather", -1, c.stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
@@ -219,8 +229,10 @@ void segment_norm(const X& x, T* out, int64_t n, int64_t off, const std::vector<
   COCONET_BUFFER(sq, (nseg > 0 ? nseg : 1) * sizeof(double), "segment_norm partial sums");
   COCONET_CUDA(cudaMemsetAsync(sq, 0, (nseg > 0 ? nseg : 1) * sizeof(double), c.stream));
   segment_partial(x, n, off, starts, sq, c);
-  if (cross_rank && nseg > 0)
+  if (cross_rank && nseg > 0) {
+    const trace::Piece nccl("NCCL allreduce", -1, c.stream);
     COCONET_CUDA(ncclAllReduce(sq, sq, nseg, ncclFloat64, ncclSum, c.comm, c.stream));
+  }
   segment_norm_fill(sq, out, n, off, starts, c);
 }
 

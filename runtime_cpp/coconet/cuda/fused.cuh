@@ -50,6 +50,7 @@ inline void combine(const Partials& p, const Ctx& c) {
                                  c.comm, c.stream));
     return;
   }
+  const trace::Piece nccl("NCCL allreduce", -1, c.stream);
   Group_ g;
   if (p.sums > 0) COCONET_CUDA(ncclAllReduce(p.acc, p.acc, size_t(p.sums), ncclFloat64, ncclSum, c.comm, c.stream));
   if (p.extremes > 0)
@@ -77,7 +78,10 @@ void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduc
   if (chunks <= 0) return;
   if constexpr (!std::is_same<SF, std::nullptr_t>::value) {
     if (c.group.size == 1) {
-      for (int64_t k = 0; k < chunks; ++k) compute(k, source(k));
+      for (int64_t k = 0; k < chunks; ++k) {
+        const trace::Piece tp("fused collective: compute a chunk", k, c.stream);
+        compute(k, source(k));
+      }
       return;
     }
   }
@@ -95,7 +99,10 @@ void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduc
       COCONET_CUDA(cudaEventRecord(red_ev[nb], c.comm_stream));
     }
     COCONET_CUDA(cudaStreamWaitEvent(c.stream, red_ev[b], 0));
-    compute(k, red[b]);
+    {
+      const trace::Piece tp("fused collective: compute a chunk", k, c.stream);
+      compute(k, red[b]);
+    }
     COCONET_CUDA(cudaEventRecord(comp_ev[b], c.stream));
     // chunk k is computed: its gather may read it, and buffer b is free for chunk k + 2
     COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[b], 0));
@@ -109,6 +116,7 @@ void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduc
 template <class T>
 void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL reduce", k, c.comm_stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     Range sl = slice_range(n, R, r);
@@ -124,6 +132,7 @@ void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t n, int64_t inner, 
 template <class T>
 void reduce_chunk(ncclRedOp_t op, const Segments<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL reduce", k, c.comm_stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
@@ -137,6 +146,7 @@ void reduce_chunk(ncclRedOp_t op, const Segments<T>& x, T* red, int64_t n, int64
 template <class T>
 void gather_chunk(T* y, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
   const int R = c.group.size;
+  const trace::Piece nccl("NCCL broadcast", k, c.comm_stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     Range sl = slice_range(n, R, r);
@@ -171,6 +181,7 @@ void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t outer, int64_t n, 
                   const Ctx& c, int64_t row0 = 0, int64_t row1 = -1) {
   const int R = c.group.size;
   if (row1 < 0) row1 = outer;
+  const trace::Piece nccl("NCCL reduce", k, c.comm_stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
@@ -188,6 +199,7 @@ void gather_chunk(T* y, int64_t outer, int64_t n, int64_t inner, int64_t k, int6
                   int64_t row0 = 0, int64_t row1 = -1) {
   const int R = c.group.size;
   if (row1 < 0) row1 = outer;
+  const trace::Piece nccl("NCCL broadcast", k, c.comm_stream);
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
@@ -223,6 +235,7 @@ inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::ve
 template <class T>
 void allreduce_chunk(ncclRedOp_t op, const Segments<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
   const int64_t lo = k * ch, hi = std::min(n, lo + ch);
+  const trace::Piece nccl("NCCL allreduce", k, c.comm_stream);
   Group_ g;
   for (const Piece& pc : pieces(x.starts, lo, hi))
     COCONET_CUDA(ncclAllReduce(x.at(pc), red + pc.offset, size_t(pc.size), NcclType<T>::t, op, c.comm, c.comm_stream));
@@ -251,6 +264,7 @@ void reduce_extreme(const Segments<T>& x, T* dst, int64_t n, bool cross_rank, co
 // Root's scattered x into every rank's contiguous y[0, n): one grouped ncclBroadcast per piece.
 template <class T>
 void broadcast(const Segments<T>& x, T* y, int64_t n, int root, const Ctx& c) {
+  const trace::Piece nccl("NCCL broadcast", -1, c.stream);
   Group_ g;
   for (const Piece& pc : pieces(x.starts, 0, n))
     COCONET_CUDA(ncclBroadcast(x.at(pc), y + pc.offset, size_t(pc.size), NcclType<T>::t, root, c.comm, c.stream));
@@ -260,6 +274,7 @@ void broadcast(const Segments<T>& x, T* y, int64_t n, int root, const Ctx& c) {
 // ranks keep x (copied piece by piece).
 template <class T>
 void reduce(ncclRedOp_t op, const Segments<T>& x, T* y, int64_t n, int root, const Ctx& c) {
+  const trace::Piece nccl("NCCL reduce", -1, c.stream);
   const std::vector<Piece> ps = pieces(x.starts, 0, n);
   if (c.group.rank != root)
     for (const Piece& pc : ps)
@@ -288,6 +303,7 @@ void send_shift(const Segments<T>& x, T* y, int64_t n, bool next, const Ctx& c) 
   const bool has_to = to >= 0 && to < c.groups, has_from = from >= 0 && from < c.groups;
   if (!has_from) COCONET_CUDA(cudaMemsetAsync(y, 0, size_t(n) * sizeof(T), c.stream));
   if (!has_to && !has_from) return;
+  const trace::Piece nccl("NCCL send/recv", -1, c.stream);
   Group_ grp;
   for (const Piece& pc : pieces(x.starts, 0, n)) {
     if (has_to)

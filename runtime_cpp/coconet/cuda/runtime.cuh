@@ -2,6 +2,7 @@
 // kernels, one header a job (as the CPU runtime's), included in order:
 //
 //   core.cuh           includes (or the host emulation), errors, CallArgs and Ctx, streams, scratch, launch
+//   trace.cuh          the trace's marks on the GPU: units and pieces timed by CUDA events (../trace.h)
 //   batch.cuh          a batch's calls combining their reductions
 //   pointwise.cuh      pointwise kernels (vector accesses where aligned)
 //   reductions.cuh     max/min, sums and norms, row reductions
@@ -16,6 +17,7 @@
 #pragma once
 
 #include "core.cuh"
+#include "trace.cuh"
 #include "batch.cuh"
 #include "pointwise.cuh"
 #include "reductions.cuh"

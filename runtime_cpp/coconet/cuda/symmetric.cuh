@@ -618,6 +618,7 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
   const bool staged = R > 1 && th.mine.win < 0;
   require(!(everywhere && staged), "coconet (cuda): the fused collective's input was agreed to be in a window of "
                                    "the communicator on every rank, but is not in one on this rank");
+  const trace::Piece tp("fused collective: the symmetric kernel", -1, c.stream);  // its staging and its kernel
   if (staged && n > 0) COCONET_CUDA(cudaMemcpyAsync(buf + kSymHead, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream));
   th.direct = R > 1 ? nullptr : x + base;
   th.base = base, th.R = R, th.op = int(op), th.keep = keep;

@@ -33,8 +33,11 @@ void adam__default(const coconet::cuda::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (adam.ccn:4)
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: m1, v1, mh, vh, w1 (adam.ccn:5)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -84,6 +87,7 @@ void adam__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
 }
 
 // program adam, schedule rs_c_ag (adam.ccn)
@@ -117,8 +121,11 @@ void adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
   float* const v_agm = v_m;  // updates m in place
   float* const v_agv = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (adam.ccn:4)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g, v_rs, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] kernel: m1, v1, mh, vh, w1 (adam.ccn:5)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -168,12 +175,19 @@ void adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] allgather agm (NCCL) (adam.ccn:15)
   coconet::cuda::allgather<float>(v_m1, v_agm, int64_t(1), S_N, int64_t(1), ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_c_ag] allgather agv (NCCL) (adam.ccn:15)
   coconet::cuda::allgather<float>(v_v1, v_agv, int64_t(1), S_N, int64_t(1), ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_c_ag] allgather agw (NCCL) (adam.ccn:15)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_4.end();
 }
 
 // program adam, schedule zero (adam.ccn)
@@ -200,6 +214,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero] fused collective fused0: rs, m1, v1, mh, vh, w1, agw (adam.ccn:23)
   const coconet::cuda::FusedChoice choice_fused0 = coconet::cuda::choose_fused(ctx, "adam__zero", "fused0", S_N * int64_t(1));  // auto: the faster, measured on the first calls
   if (choice_fused0.symmetric) {  // one kernel over symmetric memory
@@ -323,6 +338,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
     coconet::cuda::pipeline<float>(chunks_fused0, red0_fused0, red1_fused0, ctx, 24, reduce_to, compute, gather, source);
   }
   coconet::cuda::fused_done(choice_fused0, ctx);
+  trace_0.end();
 }
 
 // program adam, schedule fused (adam.ccn)
@@ -353,6 +369,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
   float* const v_agm = v_m;  // updates m in place
   float* const v_agv = v_v;  // updates v in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] fused collective fused0: rs, m1, v1, mh, vh, w1, agw (adam.ccn:30)
   const coconet::cuda::FusedChoice choice_fused0 = coconet::cuda::choose_fused(ctx, "adam__fused", "fused0", S_N * int64_t(1));  // auto: the faster, measured on the first calls
   if (choice_fused0.symmetric) {  // one kernel over symmetric memory
@@ -476,10 +493,15 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
     coconet::cuda::pipeline<float>(chunks_fused0, red0_fused0, red1_fused0, ctx, 40, reduce_to, compute, gather, source);
   }
   coconet::cuda::fused_done(choice_fused0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] allgather agm (NCCL) (adam.ccn:29)
   coconet::cuda::allgather<float>(v_m1, v_agm, int64_t(1), S_N, int64_t(1), ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] allgather agv (NCCL) (adam.ccn:29)
   coconet::cuda::allgather<float>(v_v1, v_agv, int64_t(1), S_N, int64_t(1), ctx);
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

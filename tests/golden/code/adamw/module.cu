@@ -39,10 +39,15 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (adamw.ccn:8)
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reduce t0_c = norm(g1) (adamw.ccn)
   coconet::cuda::reduce_sum<float, true>(v_g1, v_t0_c, S_N, false, ctx, 4);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] kernel: c (adamw.ccn:9)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -67,6 +72,8 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: gc, m1, v1, mh, vh, w1 (adamw.ccn:10)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -120,6 +127,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program adamw, schedule rs_c_ag (adamw.ccn)
@@ -159,10 +167,15 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
   float* const v_agm = v_m;  // updates m in place
   float* const v_agv = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (adamw.ccn:8)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g, v_rs, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] reduce t0_c = norm(rs) (adamw.ccn)
   coconet::cuda::reduce_sum<float, true>(v_rs, v_t0_c, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 7);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] kernel: c (adamw.ccn:9)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -187,6 +200,8 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_c_ag] kernel: gc, m1, v1, mh, vh, w1 (adamw.ccn:10)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -240,12 +255,19 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_c_ag] allgather agm (NCCL) (adamw.ccn:22)
   coconet::cuda::allgather<float>(v_m1, v_agm, int64_t(1), S_N, int64_t(1), ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [rs_c_ag] allgather agv (NCCL) (adamw.ccn:22)
   coconet::cuda::allgather<float>(v_v1, v_agv, int64_t(1), S_N, int64_t(1), ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [rs_c_ag] allgather agw (NCCL) (adamw.ccn:22)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_6.end();
 }
 
 // program adamw, schedule sliced (adamw.ccn)
@@ -281,10 +303,15 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_N, comm.size, comm.rank).size());
   COCONET_BUFFER(v_w1, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_w1), "w1");
   float* const v_agw = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [sliced] reducescatter rs (NCCL) (adamw.ccn:8)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g, v_rs, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [sliced] reduce t0_c = norm(rs) (adamw.ccn)
   coconet::cuda::reduce_sum<float, true>(v_rs, v_t0_c, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 5);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [sliced] kernel: c (adamw.ccn:9)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -309,6 +336,8 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [sliced] kernel: gc, m1, v1, mh, vh, w1 (adamw.ccn:10)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -362,8 +391,11 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [sliced] allgather agw (NCCL) (adamw.ccn:28)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_4.end();
 }
 
 // program adamw, schedule zero (adamw.ccn)
@@ -398,6 +430,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
   float* const v_v1 = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero] fused collective fused0: rs (adamw.ccn:38)
   // fused0: norm(rs) accumulated chunk by chunk
   const coconet::cuda::Partials pa_fused0 = coconet::cuda::partials(4, 1, 0, 0, "fused0", ctx);
@@ -557,6 +590,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
   }
   // [zero] allgather agw (NCCL) (adamw.ccn:36)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -34,8 +34,11 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(int64_t(1)) * sizeof(*v_s), "s");
   float* const v_m1 = v_m;  // updates m in place
   float* const v_w1 = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (amax_scale.ccn:9)
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: t0_a (amax_scale.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -60,8 +63,12 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reduce a = max(t0_a) (amax_scale.ccn:10)
   coconet::cuda::reduce_extreme<float, true>(v_t0_a, v_a, S_N, false, ctx, 5);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: s (amax_scale.ccn:11)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -86,6 +93,8 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: m1, w1 (amax_scale.ccn:12)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -122,6 +131,7 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
 }
 
 // program amax_scale, schedule rs_a_ag (amax_scale.ccn)
@@ -154,8 +164,11 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_w1, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_w1), "w1");
   float* const v_agm = v_m;  // updates m in place
   float* const v_agw = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_a_ag] reducescatter rs (NCCL) (amax_scale.ccn:9)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g, v_rs, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_a_ag] kernel: t0_a (amax_scale.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -180,8 +193,12 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_a_ag] reduce a = max(t0_a) (amax_scale.ccn:10)
   coconet::cuda::reduce_extreme<float, true>(v_t0_a, v_a, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 7);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_a_ag] kernel: s (amax_scale.ccn:11)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -206,6 +223,8 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_a_ag] kernel: m1, w1 (amax_scale.ccn:12)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -242,10 +261,15 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [rs_a_ag] allgather agm (NCCL) (amax_scale.ccn:20)
   coconet::cuda::allgather<float>(v_m1, v_agm, int64_t(1), S_N, int64_t(1), ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [rs_a_ag] allgather agw (NCCL) (amax_scale.ccn:20)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_6.end();
 }
 
 // program amax_scale, schedule zero (amax_scale.ccn)
@@ -275,6 +299,7 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
   float* const v_m1 = v_m;  // updates m in place
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero] fused collective fused0: rs (amax_scale.ccn:29)
   // fused0: max(t0_a) accumulated chunk by chunk
   const coconet::cuda::Partials pa_fused0 = coconet::cuda::partials(5, 0, 0, 1, "fused0", ctx);
@@ -427,6 +452,7 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
   }
   // [zero] allgather agw (NCCL) (amax_scale.ccn:27)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

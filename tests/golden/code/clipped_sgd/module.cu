@@ -27,8 +27,11 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
   float* const v_t0_w1 = coconet::cuda::scratch<float>(3, int64_t(1));
   COCONET_BUFFER(v_t0_w1, size_t(int64_t(1)) * sizeof(*v_t0_w1), "t0_w1");
   float* const v_w1 = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (clipped_sgd.ccn:5)
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: gc (clipped_sgd.ccn:6)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -53,8 +56,12 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reduce t0_w1 = norm(g1) (clipped_sgd.ccn)
   coconet::cuda::reduce_sum<float, true>(v_g1, v_t0_w1, S_N, false, ctx, 4);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: w1 (clipped_sgd.ccn:7)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -82,6 +89,7 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program clipped_sgd, schedule fused (clipped_sgd.ccn)
@@ -104,6 +112,7 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t0_w1, size_t(int64_t(1)) * sizeof(*v_t0_w1), "t0_w1");
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] fused collective fused0: rs, gc (clipped_sgd.ccn:13)
   // fused0: norm(rs) accumulated chunk by chunk
   const coconet::cuda::Partials pa_fused0 = coconet::cuda::partials(4, 1, 0, 0, "fused0", ctx);
@@ -223,6 +232,7 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
   }
   // [fused] allgather agw (NCCL) (clipped_sgd.ccn:12)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

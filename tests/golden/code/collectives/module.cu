@@ -56,12 +56,21 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   float* const v_q = a.output<float>(8);
   COCONET_PARAM(v_q, size_t(S_N) * sizeof(*v_q), "q", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   coconet::cuda::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   coconet::cuda::require(0 < comm.size, "reduce: root 0 is not a rank of a group of " + std::to_string(comm.size));
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reduce t0_n = norm(sl) (collectives.ccn)
   coconet::cuda::reduce_sum<double, true>(v_sl, v_t0_n, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 6);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reduce t1_n = sum(sl) (collectives.ccn)
   coconet::cuda::reduce_sum<double, false>(v_sl, v_t1_n, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 7);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: n (collectives.ccn:14)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -86,18 +95,32 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] allreduce a (NCCL) (collectives.ccn:4)
   coconet::cuda::allreduce<float>(ncclMax, v_x, v_a, S_N * S_M, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reducescatter b (NCCL) (collectives.ccn:5)
   coconet::cuda::reduce_scatter<float>(ncclAvg, v_x, v_b, S_N, S_M, int64_t(1), ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] allgather c (NCCL) (collectives.ccn:6)
   coconet::cuda::allgather<float>(v_b, v_c, S_N, S_M, int64_t(1), ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] broadcast d (NCCL) (collectives.ccn:7)
   coconet::cuda::broadcast<float>(v_x, v_d, S_N * S_M, 0, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] reduce e (NCCL) (collectives.ccn:8)
   coconet::cuda::reduce<coconet::bfloat16>(ncclSum, v_y, v_e, S_N, 0, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] scatter f (NCCL) (collectives.ccn:9)
   coconet::cuda::scatter_copy<double>(v_z, v_f, int64_t(1), S_N, int64_t(1), ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] kernel: t2_g (collectives.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -123,12 +146,20 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] allgather g (NCCL) (collectives.ccn:10)
   coconet::cuda::allgather<double>(v_t2_g, v_g, int64_t(1), S_N, int64_t(1), ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] allreduce h (NCCL) (collectives.ccn:11)
   coconet::cuda::allreduce<int32_t>(ncclMin, v_k, v_h, S_N, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] send p (NCCL) (collectives.ccn:12)
   coconet::cuda::send_shift<coconet::bfloat16>(v_y, v_p, S_N, true, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] kernel: t3_q (collectives.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -153,8 +184,11 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] allreduce q (NCCL) (collectives.ccn:13)
   coconet::cuda::allreduce<float>(ncclProd, v_t3_q, v_q, S_N, ctx);
+  trace_16.end();
 }
 
 // program collectives, schedule split_max (collectives.ccn)
@@ -207,12 +241,21 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   float* const v_q = a.output<float>(8);
   COCONET_PARAM(v_q, size_t(S_N) * sizeof(*v_q), "q", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   coconet::cuda::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   coconet::cuda::require(0 < comm.size, "reduce: root 0 is not a rank of a group of " + std::to_string(comm.size));
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [split_max] reduce t0_n = norm(sl) (collectives.ccn)
   coconet::cuda::reduce_sum<double, true>(v_sl, v_t0_n, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 7);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [split_max] reduce t1_n = sum(sl) (collectives.ccn)
   coconet::cuda::reduce_sum<double, false>(v_sl, v_t1_n, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 8);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [split_max] kernel: n (collectives.ccn:14)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -237,20 +280,36 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [split_max] reducescatter rs (NCCL) (collectives.ccn:4)
   coconet::cuda::reduce_scatter<float>(ncclMax, v_x, v_rs, S_N, S_M, int64_t(1), ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [split_max] allgather ag (NCCL) (collectives.ccn:4)
   coconet::cuda::allgather<float>(v_rs, v_ag, S_N, S_M, int64_t(1), ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [split_max] reducescatter b (NCCL) (collectives.ccn:5)
   coconet::cuda::reduce_scatter<float>(ncclAvg, v_x, v_b, S_N, S_M, int64_t(1), ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [split_max] allgather c (NCCL) (collectives.ccn:6)
   coconet::cuda::allgather<float>(v_b, v_c, S_N, S_M, int64_t(1), ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [split_max] broadcast d (NCCL) (collectives.ccn:7)
   coconet::cuda::broadcast<float>(v_x, v_d, S_N * S_M, 0, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [split_max] reduce e (NCCL) (collectives.ccn:8)
   coconet::cuda::reduce<coconet::bfloat16>(ncclSum, v_y, v_e, S_N, 0, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [split_max] scatter f (NCCL) (collectives.ccn:9)
   coconet::cuda::scatter_copy<double>(v_z, v_f, int64_t(1), S_N, int64_t(1), ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [split_max] kernel: t2_g (collectives.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -276,12 +335,20 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [split_max] allgather g (NCCL) (collectives.ccn:10)
   coconet::cuda::allgather<double>(v_t2_g, v_g, int64_t(1), S_N, int64_t(1), ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [split_max] allreduce h (NCCL) (collectives.ccn:11)
   coconet::cuda::allreduce<int32_t>(ncclMin, v_k, v_h, S_N, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [split_max] send p (NCCL) (collectives.ccn:12)
   coconet::cuda::send_shift<coconet::bfloat16>(v_y, v_p, S_N, true, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [split_max] kernel: t3_q (collectives.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -306,8 +373,11 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [split_max] allreduce q (NCCL) (collectives.ccn:13)
   coconet::cuda::allreduce<float>(ncclProd, v_t3_q, v_q, S_N, ctx);
+  trace_17.end();
 }
 
 }  // namespace coconet_gen

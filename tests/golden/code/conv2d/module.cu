@@ -37,8 +37,11 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
   float* const v_nb = v_bias;  // updates bias in place
   float* const v_full = a.output<float>(0);
   COCONET_PARAM(v_full, size_t(S_N * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1))) * sizeof(*v_full), "full", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] conv2d y (conv2d.ccn:5)
   coconet::cuda::conv2d<float>(v_x, v_k, v_y, coconet::slice_range(S_N, comm.size, comm.rank).size(), S_C, S_H, S_W, S_O, int64_t(3), int64_t(3), 1, 1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: a (conv2d.ccn:6)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -86,8 +89,12 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] allreduce gsum (NCCL) (conv2d.ccn:7)
   coconet::cuda::allreduce<float>(ncclAvg, v_gb, v_gsum, S_O * int64_t(1) * int64_t(1), ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: nb (conv2d.ccn:8)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -114,8 +121,11 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] allgather full (NCCL) (conv2d.ccn:9)
   coconet::cuda::allgather<float>(v_a, v_full, int64_t(1), S_N, S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1)), ctx);
+  trace_4.end();
 }
 
 // program conv_tp, schedule default (conv2d.ccn)
@@ -139,10 +149,15 @@ void conv_tp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_y), "y");
   float* const v_out = a.output<float>(0);
   COCONET_PARAM(v_out, size_t(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_out), "out", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] conv2d part (conv2d.ccn:15)
   coconet::cuda::conv2d<float>(v_x, v_k, v_part, S_N, coconet::slice_range(S_C, comm.size, comm.rank).size(), S_H, S_W, S_O, int64_t(3), int64_t(3), 2, 1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allreduce y (NCCL) (conv2d.ccn:16)
   coconet::cuda::allreduce<float>(ncclSum, v_part, v_y, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] kernel: out (conv2d.ccn:17)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -167,6 +182,7 @@ void conv_tp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
 }
 
 // program conv_tp, schedule rs_c_ag (conv2d.ccn)
@@ -192,10 +208,15 @@ void conv_tp__rs_c_ag(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_out, size_t(S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_out), "out");
   float* const v_ago = a.output<float>(0);
   COCONET_PARAM(v_ago, size_t(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_ago), "ago", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] conv2d part (conv2d.ccn:15)
   coconet::cuda::conv2d<float>(v_x, v_k, v_part, S_N, coconet::slice_range(S_C, comm.size, comm.rank).size(), S_H, S_W, S_O, int64_t(3), int64_t(3), 2, 1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (conv2d.ccn:16)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_part, v_rs, S_N, S_O, ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] kernel: out (conv2d.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_O, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -220,8 +241,11 @@ void conv_tp__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_c_ag] allgather ago (NCCL) (conv2d.ccn:23)
   coconet::cuda::allgather<float>(v_out, v_ago, S_N, S_O, ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), ctx);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -34,12 +34,19 @@ void mp_layer__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t0_h, size_t(S_B * S_H) * sizeof(*v_t0_h), "t0_h");
   float* const v_h = a.output<float>(0);
   COCONET_PARAM(v_h, size_t(S_B * S_H) * sizeof(*v_h), "h", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul y (extern_ops.ccn:33)
   coconet::cuda::matmul<float>(v_x, v_w, v_y, S_B, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allreduce s (NCCL) (extern_ops.ccn:34)
   coconet::cuda::allreduce<float>(ncclSum, v_y, v_s, S_B * S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] rmsnorm t0_h (extern_ops.ccn)
   cclib::rmsnorm_cuda(v_s, v_g, static_cast<float>(1e-05), v_t0_h, S_B, S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: h (extern_ops.ccn:35)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -65,6 +72,7 @@ void mp_layer__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program mp_layer, schedule rows (extern_ops.ccn)
@@ -94,12 +102,19 @@ void mp_layer__rows(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_h), "h");
   float* const v_agh = a.output<float>(0);
   COCONET_PARAM(v_agh, size_t(S_B * S_H) * sizeof(*v_agh), "agh", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rows] matmul y (extern_ops.ccn:33)
   coconet::cuda::matmul<float>(v_x, v_w, v_y, S_B, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rows] reducescatter rs (NCCL) (extern_ops.ccn:34)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_y, v_rs, int64_t(1), S_B, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rows] rmsnorm t0_h (extern_ops.ccn)
   cclib::rmsnorm_cuda(v_rs, v_g, static_cast<float>(1e-05), v_t0_h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rows] kernel: h (extern_ops.ccn:35)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -125,8 +140,11 @@ void mp_layer__rows(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rows] allgather agh (NCCL) (extern_ops.ccn:43)
   coconet::cuda::allgather<float>(v_h, v_agh, int64_t(1), S_B, S_H, ctx);
+  trace_4.end();
 }
 
 // program mp_layer, schedule rows_overlapped (extern_ops.ccn)
@@ -155,6 +173,7 @@ void mp_layer__rows_overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_h), "h");
   float* const v_agh = a.output<float>(0);
   COCONET_PARAM(v_agh, size_t(S_B * S_H) * sizeof(*v_agh), "agh", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rows_overlapped] overlap y -> rs: 2 chunks along dim 1 (extern_ops.ccn:50)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -168,15 +187,25 @@ void mp_layer__rows_overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * int64_t(1);
       float* const Q = Q_all + coconet::slice_range(S_B, comm.size, comm.rank).size() * r.begin * int64_t(1);
-      coconet::cuda::gemm<float>(S_B, r.size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w + r.begin, S_H, P, r.size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::gemm<float>(S_B, r.size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w + r.begin, S_H, P, r.size(), stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
-      coconet::cuda::reduce_scatter<float>(ncclSum, P, Q, int64_t(1), S_B, r.size(), cctx);
-      coconet::cuda::unpack<float>(Q, v_rs, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, int64_t(1), r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, P, Q, int64_t(1), S_B, r.size(), cctx);
+        coconet::cuda::unpack<float>(Q, v_rs, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, int64_t(1), r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rows_overlapped] rmsnorm t0_h (extern_ops.ccn)
   cclib::rmsnorm_cuda(v_rs, v_g, static_cast<float>(1e-05), v_t0_h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rows_overlapped] kernel: h (extern_ops.ccn:35)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -202,8 +231,11 @@ void mp_layer__rows_overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rows_overlapped] allgather agh (NCCL) (extern_ops.ccn:49)
   coconet::cuda::allgather<float>(v_h, v_agh, int64_t(1), S_B, S_H, ctx);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

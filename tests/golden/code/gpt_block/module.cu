@@ -117,14 +117,23 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reshape t0_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul t1_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: t3_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -167,24 +176,44 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reshape t4_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t3_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_t4_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] reshape t5_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul t6_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t5_k, v_t6_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] reshape t7_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t6_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_t7_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] reshape t8_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] matmul t9_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] kernel: t11_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -227,14 +256,24 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reshape t12_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] transpose t13_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] matmul t14_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] kernel: s (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -260,6 +299,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -306,8 +347,12 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -358,18 +403,32 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] matmul t16_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] transpose t17_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] kernel: x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -414,10 +473,16 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -460,10 +525,16 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] kernel: y (gpt_block.ccn:55)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -508,6 +579,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_35.end();
 }
 
 // program gpt_block, schedule fused (gpt_block.ccn)
@@ -615,14 +687,23 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] reshape t0_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] matmul t1_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] kernel: t3_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -665,24 +746,44 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] reshape t4_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t3_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_t4_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [fused] reshape t5_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [fused] matmul t6_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t5_k, v_t6_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [fused] reshape t7_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t6_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [fused] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_t7_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [fused] reshape t8_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [fused] matmul t9_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [fused] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [fused] kernel: t11_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -725,14 +826,24 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [fused] reshape t12_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [fused] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [fused] transpose t13_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [fused] matmul t14_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [fused] kernel: s (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -758,6 +869,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [fused] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -804,8 +917,12 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [fused] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [fused] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -856,16 +973,28 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [fused] matmul t16_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [fused] transpose t17_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [fused] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [fused] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   {
     const int64_t base_f1 = 0;
@@ -908,10 +1037,16 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 208, reduce_to, compute, gather, source);
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [fused] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [fused] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -954,8 +1089,12 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [fused] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   {
     const int64_t base_f2 = 0;
@@ -998,6 +1137,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 232, reduce_to, compute, gather, source);
   }
+  trace_33.end();
 }
 
 // program gpt_block, schedule overlapped (gpt_block.ccn)
@@ -1105,14 +1245,23 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] reshape t0_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] matmul t1_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] kernel: t3_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1155,24 +1304,44 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape t4_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t3_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_t4_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] reshape t5_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul t6_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t5_k, v_t6_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] reshape t7_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t6_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_t7_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] reshape t8_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] matmul t9_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] kernel: t11_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1215,14 +1384,24 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape t12_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] transpose t13_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] matmul t14_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] kernel: s (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1248,6 +1427,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1294,8 +1475,12 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1346,14 +1531,24 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] matmul t16_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] transpose t17_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -1361,7 +1556,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 24);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -1412,10 +1610,16 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 25);
   }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1458,6 +1662,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -1465,7 +1671,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 29);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -1516,6 +1725,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 30);
   }
+  trace_31.end();
 }
 
 // program gpt_block_sp, schedule default (gpt_block.ccn)
@@ -1631,16 +1841,27 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1683,24 +1904,44 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1743,14 +1984,24 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1776,6 +2027,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1822,8 +2075,12 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1874,18 +2131,32 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] kernel: x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1933,12 +2204,20 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1981,10 +2260,16 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] reducescatter mt (NCCL) (gpt_block.ccn:141)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] kernel: y (gpt_block.ccn:142)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2032,6 +2317,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_37.end();
 }
 
 // program gpt_block_sp, schedule fused (gpt_block.ccn)
@@ -2141,16 +2427,27 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2193,24 +2490,44 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [fused] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [fused] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [fused] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [fused] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [fused] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [fused] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2253,14 +2570,24 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [fused] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [fused] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [fused] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2286,6 +2613,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [fused] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2332,8 +2661,12 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [fused] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [fused] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2384,16 +2717,28 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [fused] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [fused] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [fused] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [fused] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   {
     const int64_t base_f1 = 0;
@@ -2473,8 +2818,12 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 216, reduce_to, compute, gather, source);
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [fused] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [fused] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2517,8 +2866,12 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [fused] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   {
     const int64_t base_f2 = 0;
@@ -2588,6 +2941,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 240, reduce_to, compute, gather, source);
   }
+  trace_33.end();
 }
 
 // program gpt_block_sp, schedule overlapped (gpt_block.ccn)
@@ -2697,16 +3051,27 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2749,24 +3114,44 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2809,14 +3194,24 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2842,6 +3237,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2888,8 +3285,12 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2940,14 +3341,24 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -2955,7 +3366,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 25);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -3043,8 +3457,12 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 26);
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3087,6 +3505,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:161)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -3094,7 +3514,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 30);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -3172,6 +3595,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 31);
   }
+  trace_31.end();
 }
 
 // program gpt_block_sp, schedule overlapped_both (gpt_block.ccn)
@@ -3281,10 +3705,15 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -3293,13 +3722,23 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 25);  // chunk i has arrived
-      coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3342,24 +3781,44 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3402,14 +3861,24 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped_both] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3435,6 +3904,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped_both] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3481,8 +3952,12 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped_both] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped_both] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3533,14 +4008,24 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped_both] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped_both] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:173)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -3549,13 +4034,19 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
       const bool here = ob < 2 && !rb.empty();
       if (here) {
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 27);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
         coconet::cuda::wait_mark(29, ctx.stream);  // block ob-1's fused collective is done
-        coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+        {
+          const coconet::cuda::trace::Piece tp("overlap: consume the chunk", ob - 1, ctx.stream);
+          coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+        }
       }
       if (!here) continue;
       {
@@ -3645,6 +4136,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 28);
   }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped_both] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3687,6 +4180,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:176)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -3694,7 +4189,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 33);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -3772,6 +4270,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 34);
   }
+  trace_29.end();
 }
 
 // program gpt_block_grad, schedule default (gpt_block.ccn)
@@ -4006,14 +4505,23 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reshape q_reshape (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul q_matmul (gpt_block.ccn:38)
   coconet::cuda::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reshape q_reshape2 (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: q_add (gpt_block.ccn:38)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4056,24 +4564,44 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reshape q_reshape3 (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_q_add, v_q_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_q_reshape3, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] reshape k_reshape (gpt_block.ccn:40)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul k_matmul (gpt_block.ccn:40)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] reshape k_reshape2 (gpt_block.ccn:40)
   coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] reshape v_reshape (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] matmul v_matmul (gpt_block.ccn:41)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] reshape v_reshape2 (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] kernel: v_add (gpt_block.ccn:41)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4116,14 +4644,24 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reshape v_reshape3 (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] transpose s_transpose (gpt_block.ccn:43)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] matmul s_matmul (gpt_block.ccn:43)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] kernel: s, p_where (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4173,8 +4711,12 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4225,18 +4767,32 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] matmul o_matmul (gpt_block.ccn:46)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] transpose o_transpose (gpt_block.ccn:46)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -4285,10 +4841,16 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] kernel: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4336,6 +4898,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -4361,12 +4925,20 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4393,21 +4965,39 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // kernel g_x1: the epilogue of the layernorm_dx above
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -4433,26 +5023,48 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [default] sum_lead d_bo (gpt_block.ccn)
   // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [default] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [default] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [default] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4503,6 +5115,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4528,8 +5142,12 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4584,50 +5202,96 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [default] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [default] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [default] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [default] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_71.end();
+  coconet::cuda::trace::Unit trace_72(72, stream);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_72.end();
+  coconet::cuda::trace::Unit trace_73(73, stream);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_73.end();
+  coconet::cuda::trace::Unit trace_74(74, stream);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_74.end();
+  coconet::cuda::trace::Unit trace_75(75, stream);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_75.end();
+  coconet::cuda::trace::Unit trace_76(76, stream);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_76.end();
+  coconet::cuda::trace::Unit trace_77(77, stream);
   // [default] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_77.end();
+  coconet::cuda::trace::Unit trace_78(78, stream);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_78.end();
+  coconet::cuda::trace::Unit trace_79(79, stream);
   // [default] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_79.end();
+  coconet::cuda::trace::Unit trace_80(80, stream);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_80.end();
+  coconet::cuda::trace::Unit trace_81(81, stream);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_81.end();
+  coconet::cuda::trace::Unit trace_82(82, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -4654,19 +5318,34 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_82.end();
+  coconet::cuda::trace::Unit trace_83(83, stream);
   // [default] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_83.end();
+  coconet::cuda::trace::Unit trace_84(84, stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_84.end();
+  coconet::cuda::trace::Unit trace_85(85, stream);
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
+  trace_85.end();
+  coconet::cuda::trace::Unit trace_86(86, stream);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_86.end();
+  coconet::cuda::trace::Unit trace_87(87, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_87.end();
+  coconet::cuda::trace::Unit trace_88(88, stream);
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_88.end();
+  coconet::cuda::trace::Unit trace_89(89, stream);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
+  trace_89.end();
 }
 
 // program gpt_block_grad, schedule overlapped (gpt_block.ccn)
@@ -4894,14 +5573,23 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] reshape q_reshape (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] matmul q_matmul (gpt_block.ccn:38)
   coconet::cuda::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape q_reshape2 (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] kernel: q_add (gpt_block.ccn:38)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4944,24 +5632,44 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape q_reshape3 (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_q_add, v_q_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_q_reshape3, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] reshape k_reshape (gpt_block.ccn:40)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul k_matmul (gpt_block.ccn:40)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] reshape k_reshape2 (gpt_block.ccn:40)
   coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] reshape v_reshape (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] matmul v_matmul (gpt_block.ccn:41)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape v_reshape2 (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] kernel: v_add (gpt_block.ccn:41)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5004,14 +5712,24 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape v_reshape3 (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] transpose s_transpose (gpt_block.ccn:43)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] matmul s_matmul (gpt_block.ccn:43)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] kernel: s, p_where (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5061,8 +5779,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5113,18 +5835,32 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] matmul o_matmul (gpt_block.ccn:46)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] transpose o_transpose (gpt_block.ccn:46)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -5173,10 +5909,16 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] kernel: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5224,6 +5966,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -5249,12 +5993,20 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [overlapped] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5267,8 +6019,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -5282,23 +6038,41 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 52);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 53);
   }
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // kernel g_x1: the epilogue of the layernorm_dx above
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -5324,26 +6098,48 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
   // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [overlapped] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [overlapped] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [overlapped] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5394,6 +6190,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5419,8 +6217,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5475,44 +6277,84 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [overlapped] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [overlapped] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [overlapped] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_71.end();
+  coconet::cuda::trace::Unit trace_72(72, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_72.end();
+  coconet::cuda::trace::Unit trace_73(73, stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_73.end();
+  coconet::cuda::trace::Unit trace_74(74, stream);
   // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_74.end();
+  coconet::cuda::trace::Unit trace_75(75, stream);
   // [overlapped] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_75.end();
+  coconet::cuda::trace::Unit trace_76(76, stream);
   // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_76.end();
+  coconet::cuda::trace::Unit trace_77(77, stream);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_77.end();
+  coconet::cuda::trace::Unit trace_78(78, stream);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -5520,25 +6362,44 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 56);
-      coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 57);
   }
+  trace_78.end();
+  coconet::cuda::trace::Unit trace_79(79, stream);
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_79.end();
+  coconet::cuda::trace::Unit trace_80(80, stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_80.end();
+  coconet::cuda::trace::Unit trace_81(81, stream);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_81.end();
+  coconet::cuda::trace::Unit trace_82(82, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_82.end();
+  coconet::cuda::trace::Unit trace_83(83, stream);
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_83.end();
+  coconet::cuda::trace::Unit trace_84(84, stream);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
+  trace_84.end();
 }
 
 // program gpt_block_sp_grad, schedule default (gpt_block.ccn)
@@ -5793,16 +6654,27 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reshape qm_reshape (gpt_block.ccn:124)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape q_reshape (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5845,24 +6717,44 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] reshape k_reshape (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] reshape v_reshape (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5905,14 +6797,24 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -5962,8 +6864,12 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6014,18 +6920,32 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] reshape ap_reshape (gpt_block.ccn:133)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6077,12 +6997,20 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6130,6 +7058,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6151,14 +7081,24 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6185,21 +7125,39 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // kernel g_x1: the epilogue of the layernorm_dx above
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6221,28 +7179,52 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       return x_g_x1_add;
     });
   }
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [default] sum_lead g_bo_part (gpt_block.ccn)
   // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [default] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6293,6 +7275,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6318,8 +7302,12 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6374,50 +7362,96 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [default] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [default] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [default] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [default] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_71.end();
+  coconet::cuda::trace::Unit trace_72(72, stream);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_72.end();
+  coconet::cuda::trace::Unit trace_73(73, stream);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_73.end();
+  coconet::cuda::trace::Unit trace_74(74, stream);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_74.end();
+  coconet::cuda::trace::Unit trace_75(75, stream);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_75.end();
+  coconet::cuda::trace::Unit trace_76(76, stream);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_76.end();
+  coconet::cuda::trace::Unit trace_77(77, stream);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_77.end();
+  coconet::cuda::trace::Unit trace_78(78, stream);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_78.end();
+  coconet::cuda::trace::Unit trace_79(79, stream);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_79.end();
+  coconet::cuda::trace::Unit trace_80(80, stream);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_80.end();
+  coconet::cuda::trace::Unit trace_81(81, stream);
   // [default] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_81.end();
+  coconet::cuda::trace::Unit trace_82(82, stream);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_82.end();
+  coconet::cuda::trace::Unit trace_83(83, stream);
   // [default] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_83.end();
+  coconet::cuda::trace::Unit trace_84(84, stream);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_84.end();
+  coconet::cuda::trace::Unit trace_85(85, stream);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_85.end();
+  coconet::cuda::trace::Unit trace_86(86, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -6444,31 +7478,58 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_86.end();
+  coconet::cuda::trace::Unit trace_87(87, stream);
   // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_87.end();
+  coconet::cuda::trace::Unit trace_88(88, stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_88.end();
+  coconet::cuda::trace::Unit trace_89(89, stream);
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
+  trace_89.end();
+  coconet::cuda::trace::Unit trace_90(90, stream);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_90.end();
+  coconet::cuda::trace::Unit trace_91(91, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_91.end();
+  coconet::cuda::trace::Unit trace_92(92, stream);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_92.end();
+  coconet::cuda::trace::Unit trace_93(93, stream);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_93.end();
+  coconet::cuda::trace::Unit trace_94(94, stream);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  trace_94.end();
+  coconet::cuda::trace::Unit trace_95(95, stream);
   // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  trace_95.end();
+  coconet::cuda::trace::Unit trace_96(96, stream);
   // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  trace_96.end();
+  coconet::cuda::trace::Unit trace_97(97, stream);
   // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  trace_97.end();
+  coconet::cuda::trace::Unit trace_98(98, stream);
   // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_98.end();
+  coconet::cuda::trace::Unit trace_99(99, stream);
   // [default] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+  trace_99.end();
 }
 
 // program gpt_block_sp_grad, schedule overlapped (gpt_block.ccn)
@@ -6711,10 +7772,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] reshape qm_reshape (gpt_block.ccn:124)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:192)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -6723,13 +7789,23 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 60);  // chunk i has arrived
-      coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape q_reshape (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6772,24 +7848,44 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] reshape k_reshape (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] reshape v_reshape (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6832,14 +7928,24 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6889,8 +7995,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6941,14 +8051,24 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:133)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:194)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -6956,7 +8076,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 62);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -7048,8 +8171,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 63);
   }
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7097,6 +8224,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7118,8 +8247,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:195)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -7128,13 +8261,23 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 67);  // chunk i has arrived
-      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [overlapped] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7147,8 +8290,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:197)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -7156,7 +8303,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 69);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -7250,32 +8400,60 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 70);
   }
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [overlapped] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [overlapped] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [overlapped] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [overlapped] transpose t0_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [overlapped] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [overlapped] transpose t1_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7326,6 +8504,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [overlapped] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7351,8 +8531,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7407,44 +8591,84 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [overlapped] transpose t3_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [overlapped] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [overlapped] transpose t4_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [overlapped] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [overlapped] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [overlapped] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [overlapped] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_71.end();
+  coconet::cuda::trace::Unit trace_72(72, stream);
   // [overlapped] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:198)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -7452,37 +8676,68 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 75);
   }
+  trace_72.end();
+  coconet::cuda::trace::Unit trace_73(73, stream);
   // [overlapped] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_73.end();
+  coconet::cuda::trace::Unit trace_74(74, stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_74.end();
+  coconet::cuda::trace::Unit trace_75(75, stream);
   // [overlapped] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_75.end();
+  coconet::cuda::trace::Unit trace_76(76, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_76.end();
+  coconet::cuda::trace::Unit trace_77(77, stream);
   // [overlapped] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_77.end();
+  coconet::cuda::trace::Unit trace_78(78, stream);
   // [overlapped] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_78.end();
+  coconet::cuda::trace::Unit trace_79(79, stream);
   // [overlapped] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  trace_79.end();
+  coconet::cuda::trace::Unit trace_80(80, stream);
   // [overlapped] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  trace_80.end();
+  coconet::cuda::trace::Unit trace_81(81, stream);
   // [overlapped] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  trace_81.end();
+  coconet::cuda::trace::Unit trace_82(82, stream);
   // [overlapped] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  trace_82.end();
+  coconet::cuda::trace::Unit trace_83(83, stream);
   // [overlapped] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_83.end();
+  coconet::cuda::trace::Unit trace_84(84, stream);
   // [overlapped] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+  trace_84.end();
 }
 
 // program gpt_block_sp_grad, schedule overlapped_both (gpt_block.ccn)
@@ -7725,10 +8980,15 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped_both] reshape qm_reshape (gpt_block.ccn:124)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:207)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -7737,13 +8997,23 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 60);  // chunk i has arrived
-      coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped_both] reshape q_reshape (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped_both] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7786,24 +9056,44 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped_both] reshape k_reshape (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped_both] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped_both] reshape v_reshape (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped_both] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped_both] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7846,14 +9136,24 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped_both] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped_both] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped_both] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7903,8 +9203,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped_both] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped_both] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7955,14 +9259,24 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped_both] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped_both] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped_both] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped_both] reshape ap_reshape (gpt_block.ccn:133)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:209)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -7971,13 +9285,19 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
       const bool here = ob < 2 && !rb.empty();
       if (here) {
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 62);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
         coconet::cuda::wait_mark(64, ctx.stream);  // block ob-1's fused collective is done
-        coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+        {
+          const coconet::cuda::trace::Piece tp("overlap: consume the chunk", ob - 1, ctx.stream);
+          coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+        }
       }
       if (!here) continue;
       {
@@ -8071,6 +9391,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 63);
   }
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped_both] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8118,6 +9440,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped_both] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8139,8 +9463,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped_both] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:211)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -8149,13 +9477,23 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 68);  // chunk i has arrived
-      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped_both] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [overlapped_both] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8168,8 +9506,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [overlapped_both] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:213)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -8178,13 +9520,19 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
       const bool here = ob < 2 && !rb.empty();
       if (here) {
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 70);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
         coconet::cuda::wait_mark(72, ctx.stream);  // block ob-1's fused collective is done
-        coconet::cuda::matmul_nt<float>(v_g_allgather4 + (rp.begin * S_S) * S_H, v_ap_reshape, v_g_o + (rp.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+        {
+          const coconet::cuda::trace::Piece tp("overlap: consume the chunk", ob - 1, ctx.stream);
+          coconet::cuda::matmul_nt<float>(v_g_allgather4 + (rp.begin * S_S) * S_H, v_ap_reshape, v_g_o + (rp.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+        }
       }
       if (!here) continue;
       {
@@ -8280,30 +9628,56 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 71);
   }
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [overlapped_both] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [overlapped_both] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [overlapped_both] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [overlapped_both] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [overlapped_both] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [overlapped_both] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [overlapped_both] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [overlapped_both] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [overlapped_both] transpose t0_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [overlapped_both] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [overlapped_both] transpose t1_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [overlapped_both] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [overlapped_both] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8354,6 +9728,8 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [overlapped_both] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8379,8 +9755,12 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [overlapped_both] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [overlapped_both] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8435,44 +9815,84 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [overlapped_both] transpose t3_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [overlapped_both] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [overlapped_both] transpose t4_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [overlapped_both] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [overlapped_both] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [overlapped_both] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [overlapped_both] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [overlapped_both] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [overlapped_both] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [overlapped_both] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [overlapped_both] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [overlapped_both] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [overlapped_both] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [overlapped_both] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [overlapped_both] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [overlapped_both] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [overlapped_both] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [overlapped_both] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [overlapped_both] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [overlapped_both] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:215)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -8480,37 +9900,68 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 76);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 77);
   }
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [overlapped_both] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_71.end();
+  coconet::cuda::trace::Unit trace_72(72, stream);
   // [overlapped_both] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_72.end();
+  coconet::cuda::trace::Unit trace_73(73, stream);
   // [overlapped_both] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_73.end();
+  coconet::cuda::trace::Unit trace_74(74, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_74.end();
+  coconet::cuda::trace::Unit trace_75(75, stream);
   // [overlapped_both] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_75.end();
+  coconet::cuda::trace::Unit trace_76(76, stream);
   // [overlapped_both] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_76.end();
+  coconet::cuda::trace::Unit trace_77(77, stream);
   // [overlapped_both] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  trace_77.end();
+  coconet::cuda::trace::Unit trace_78(78, stream);
   // [overlapped_both] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  trace_78.end();
+  coconet::cuda::trace::Unit trace_79(79, stream);
   // [overlapped_both] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  trace_79.end();
+  coconet::cuda::trace::Unit trace_80(80, stream);
   // [overlapped_both] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  trace_80.end();
+  coconet::cuda::trace::Unit trace_81(81, stream);
   // [overlapped_both] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_81.end();
+  coconet::cuda::trace::Unit trace_82(82, stream);
   // [overlapped_both] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+  trace_82.end();
 }
 
 // program gpt_block_sp_grad, schedule backward (gpt_block.ccn)
@@ -8757,16 +10208,27 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [backward] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [backward] reshape qm_reshape (gpt_block.ccn:124)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [backward] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [backward] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [backward] reshape q_reshape (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [backward] kernel: q_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8809,24 +10271,44 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [backward] reshape q_reshape2 (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [backward] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [backward] reshape k_reshape (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [backward] matmul k_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [backward] reshape k_reshape2 (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [backward] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [backward] reshape v_reshape (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [backward] matmul v_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [backward] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [backward] kernel: v_add (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8869,14 +10351,24 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [backward] reshape v_reshape3 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [backward] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [backward] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [backward] matmul s_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [backward] kernel: s, p_where (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8926,8 +10418,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [backward] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [backward] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8978,18 +10474,32 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [backward] matmul o_matmul (gpt_block.ccn:132)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [backward] transpose o_transpose (gpt_block.ccn:132)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [backward] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [backward] reshape ap_reshape (gpt_block.ccn:133)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [backward] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [backward] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9041,12 +10551,20 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [backward] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [backward] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [backward] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [backward] kernel: h_add, h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9094,6 +10612,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [backward] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9115,8 +10635,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -9125,13 +10649,23 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 62);  // chunk i has arrived
-      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [backward] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [backward] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9144,8 +10678,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -9153,7 +10691,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 64);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -9247,32 +10788,60 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 65);
   }
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [backward] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [backward] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [backward] transpose t0_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [backward] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [backward] transpose t1_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [backward] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9323,6 +10892,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [backward] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9348,8 +10919,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [backward] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9404,44 +10979,84 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [backward] transpose t3_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [backward] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [backward] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [backward] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [backward] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [backward] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [backward] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_71.end();
+  coconet::cuda::trace::Unit trace_72(72, stream);
   // [backward] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_72.end();
+  coconet::cuda::trace::Unit trace_73(73, stream);
   // [backward] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_73.end();
+  coconet::cuda::trace::Unit trace_74(74, stream);
   // [backward] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_74.end();
+  coconet::cuda::trace::Unit trace_75(75, stream);
   // [backward] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_75.end();
+  coconet::cuda::trace::Unit trace_76(76, stream);
   // [backward] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_76.end();
+  coconet::cuda::trace::Unit trace_77(77, stream);
   // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -9449,37 +11064,68 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 69);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 70);
   }
+  trace_77.end();
+  coconet::cuda::trace::Unit trace_78(78, stream);
   // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_78.end();
+  coconet::cuda::trace::Unit trace_79(79, stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_79.end();
+  coconet::cuda::trace::Unit trace_80(80, stream);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_80.end();
+  coconet::cuda::trace::Unit trace_81(81, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_81.end();
+  coconet::cuda::trace::Unit trace_82(82, stream);
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_82.end();
+  coconet::cuda::trace::Unit trace_83(83, stream);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_83.end();
+  coconet::cuda::trace::Unit trace_84(84, stream);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  trace_84.end();
+  coconet::cuda::trace::Unit trace_85(85, stream);
   // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  trace_85.end();
+  coconet::cuda::trace::Unit trace_86(86, stream);
   // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  trace_86.end();
+  coconet::cuda::trace::Unit trace_87(87, stream);
   // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  trace_87.end();
+  coconet::cuda::trace::Unit trace_88(88, stream);
   // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_88.end();
+  coconet::cuda::trace::Unit trace_89(89, stream);
   // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+  trace_89.end();
 }
 
 // program gpt_block_fwd, schedule default (gpt_block.ccn)
@@ -9602,14 +11248,23 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t12_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // t18_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reshape t0_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul t1_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: t3_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9652,24 +11307,44 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reshape t4_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t3_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_t4_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] reshape t5_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul t6_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t5_k, v_t6_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] reshape t7_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t6_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_t7_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] reshape t8_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] matmul t9_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] kernel: t11_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9712,14 +11387,24 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reshape t12_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] transpose t13_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] matmul t14_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] kernel: s (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9745,6 +11430,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9791,8 +11478,12 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9843,18 +11534,32 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] matmul t16_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] transpose t17_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] kernel: x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -9899,10 +11604,16 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9945,10 +11656,16 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] kernel: y (gpt_block.ccn:55)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -9993,6 +11710,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_35.end();
 }
 
 // program gpt_block_fwd, schedule fused (gpt_block.ccn)
@@ -10111,14 +11829,23 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t12_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // t18_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] reshape t0_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] matmul t1_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] kernel: t3_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10161,24 +11888,44 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] reshape t4_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t3_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_t4_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [fused] reshape t5_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [fused] matmul t6_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t5_k, v_t6_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [fused] reshape t7_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t6_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [fused] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_t7_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [fused] reshape t8_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [fused] matmul t9_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [fused] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [fused] kernel: t11_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10221,14 +11968,24 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [fused] reshape t12_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [fused] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [fused] transpose t13_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [fused] matmul t14_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [fused] kernel: s (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10254,6 +12011,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [fused] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10300,8 +12059,12 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [fused] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [fused] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10352,16 +12115,28 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [fused] matmul t16_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [fused] transpose t17_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [fused] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [fused] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   {
     const int64_t base_f1 = 0;
@@ -10404,10 +12179,16 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 120, reduce_to, compute, gather, source);
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [fused] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [fused] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10450,8 +12231,12 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [fused] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   {
     const int64_t base_f2 = 0;
@@ -10494,6 +12279,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 144, reduce_to, compute, gather, source);
   }
+  trace_33.end();
 }
 
 // program gpt_block_fwd, schedule overlapped (gpt_block.ccn)
@@ -10612,14 +12398,23 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t12_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // t18_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] reshape t0_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] matmul t1_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] kernel: t3_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10662,24 +12457,44 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape t4_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t3_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] transpose q (gpt_block.ccn:38)
   coconet::cuda::transpose<float>(v_t4_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] reshape t5_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul t6_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t5_k, v_t6_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] reshape t7_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t6_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] transpose k (gpt_block.ccn:40)
   coconet::cuda::transpose<float>(v_t7_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] reshape t8_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] matmul t9_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] kernel: t11_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10722,14 +12537,24 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape t12_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] transpose v (gpt_block.ccn:41)
   coconet::cuda::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] transpose t13_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] matmul t14_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] kernel: s (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10755,6 +12580,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10801,8 +12628,12 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] softmax p (gpt_block.ccn:44)
   coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10853,14 +12684,24 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] matmul t16_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] transpose t17_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] reshape o (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -10868,7 +12709,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 13);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -10919,10 +12763,16 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 14);
   }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] matmul hm (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -10965,6 +12815,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -10972,7 +12824,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 18);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -11023,6 +12878,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 19);
   }
+  trace_31.end();
 }
 
 // program gpt_block_bwd, schedule default (gpt_block.ccn)
@@ -11225,16 +13081,27 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] reshape q_reshape (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reshape k_reshape (gpt_block.ccn:40)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reshape v_reshape (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] transpose s_transpose (gpt_block.ccn:43)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11277,6 +13144,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11302,12 +13171,20 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11334,21 +13211,39 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // kernel g_x1: the epilogue of the layernorm_dx above
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11374,26 +13269,48 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] sum_lead d_bo (gpt_block.ccn)
   // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11444,6 +13361,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11469,8 +13388,12 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11525,50 +13448,96 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [default] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [default] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11595,19 +13564,34 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [default] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
+  trace_63.end();
 }
 
 // program gpt_block_bwd, schedule overlapped (gpt_block.ccn)
@@ -11803,16 +13787,27 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] reshape q_reshape (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] reshape k_reshape (gpt_block.ccn:40)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] reshape v_reshape (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] transpose s_transpose (gpt_block.ccn:43)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] kernel: h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11855,6 +13850,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11880,12 +13877,20 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11898,8 +13903,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -11913,23 +13922,41 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 31);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 32);
   }
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // kernel g_x1: the epilogue of the layernorm_dx above
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11955,26 +13982,48 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
   // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12025,6 +14074,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12050,8 +14101,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12106,44 +14161,84 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [overlapped] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [overlapped] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [overlapped] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [overlapped] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -12151,25 +14246,44 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
-      coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
   }
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
+  trace_58.end();
 }
 
 // program gpt_block_sp_fwd, schedule default (gpt_block.ccn)
@@ -12296,16 +14410,27 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12348,24 +14473,44 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12408,14 +14553,24 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12441,6 +14596,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12487,8 +14644,12 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12539,18 +14700,32 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] reducescatter at (NCCL) (gpt_block.ccn:134)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] kernel: x1 (gpt_block.ccn:135)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12598,12 +14773,20 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] layernorm n2s (gpt_block.ccn:136)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] allgather n2 (NCCL) (gpt_block.ccn:137)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12646,10 +14829,16 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] reducescatter mt (NCCL) (gpt_block.ccn:141)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] kernel: y (gpt_block.ccn:142)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12697,6 +14886,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_37.end();
 }
 
 // program gpt_block_sp_fwd, schedule fused (gpt_block.ccn)
@@ -12817,16 +15007,27 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12869,24 +15070,44 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [fused] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [fused] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [fused] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [fused] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [fused] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [fused] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12929,14 +15150,24 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [fused] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [fused] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [fused] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12962,6 +15193,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [fused] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13008,8 +15241,12 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [fused] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [fused] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13060,16 +15297,28 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [fused] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [fused] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [fused] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [fused] matmul ap (gpt_block.ccn:133)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   {
     const int64_t base_f1 = 0;
@@ -13149,8 +15398,12 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [fused] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [fused] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13193,8 +15446,12 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [fused] matmul mp (gpt_block.ccn:140)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   {
     const int64_t base_f2 = 0;
@@ -13264,6 +15521,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
   }
+  trace_33.end();
 }
 
 // program gpt_block_sp_fwd, schedule overlapped (gpt_block.ccn)
@@ -13384,16 +15642,27 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:123)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] matmul qm (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13436,24 +15705,44 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13496,14 +15785,24 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13529,6 +15828,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13575,8 +15876,12 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13627,14 +15932,24 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -13642,7 +15957,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -13730,8 +16048,12 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] matmul hm (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13774,6 +16096,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:161)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -13781,7 +16105,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -13859,6 +16186,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 20);
   }
+  trace_31.end();
 }
 
 // program gpt_block_sp_fwd, schedule overlapped_both (gpt_block.ccn)
@@ -13979,10 +16307,15 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);  // t11_v's check
   coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);  // o's check
   coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);  // t17_ap's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped_both] layernorm n1s (gpt_block.ccn:122)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -13991,13 +16324,23 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 14);  // chunk i has arrived
-      coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14040,24 +16383,44 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped_both] transpose q (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped_both] transpose k (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14100,14 +16463,24 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped_both] transpose v (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped_both] kernel: s (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14133,6 +16506,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped_both] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14179,8 +16554,12 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped_both] softmax p (gpt_block.ccn:130)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped_both] kernel: a (gpt_block.ccn:131)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14231,14 +16610,24 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped_both] matmul t15_o (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped_both] reshape o (gpt_block.ccn:132)
   coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:132)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:173)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -14247,13 +16636,19 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
       const bool here = ob < 2 && !rb.empty();
       if (here) {
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 16);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
         coconet::cuda::wait_mark(18, ctx.stream);  // block ob-1's fused collective is done
-        coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+        {
+          const coconet::cuda::trace::Piece tp("overlap: consume the chunk", ob - 1, ctx.stream);
+          coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+        }
       }
       if (!here) continue;
       {
@@ -14343,6 +16738,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 17);
   }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped_both] kernel: h (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14385,6 +16782,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:176)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -14392,7 +16791,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 22);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -14470,6 +16872,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 23);
   }
+  trace_29.end();
 }
 
 // program gpt_block_sp_bwd, schedule default (gpt_block.ccn)
@@ -14688,16 +17091,27 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] reshape qm_reshape (gpt_block.ccn:124)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] reshape k_reshape (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] reshape v_reshape (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape ap_reshape (gpt_block.ccn:133)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14740,6 +17154,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14761,14 +17177,24 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14795,21 +17221,39 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // kernel g_x1: the epilogue of the layernorm_dx above
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14831,28 +17275,52 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       return x_g_x1_add;
     });
   }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] sum_lead g_bo_part (gpt_block.ccn)
   // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14903,6 +17371,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14928,8 +17398,12 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14984,50 +17458,96 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [default] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [default] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -15054,31 +17574,58 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [default] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+  trace_71.end();
 }
 
 // program gpt_block_sp_bwd, schedule backward (gpt_block.ccn)
@@ -15289,16 +17836,27 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [backward] reshape qm_reshape (gpt_block.ccn:124)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [backward] reshape k_reshape (gpt_block.ccn:126)
   coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)", ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [backward] reshape v_reshape (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [backward] transpose s_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [backward] reshape ap_reshape (gpt_block.ccn:133)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [backward] kernel: h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15341,6 +17899,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [backward] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15362,8 +17922,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -15372,13 +17936,23 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      }
       coconet::cuda::join(ctx.comm_stream, ctx.stream, 39);  // chunk i has arrived
-      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
     }
   }
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [backward] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [backward] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15391,8 +17965,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -15400,7 +17978,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 41);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -15494,32 +18075,60 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 42);
   }
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [backward] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [backward] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [backward] transpose t0_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [backward] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [backward] transpose t1_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [backward] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15570,6 +18179,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [backward] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15595,8 +18206,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [backward] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15651,44 +18266,84 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [backward] transpose t3_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [backward] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [backward] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [backward] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [backward] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [backward] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [backward] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [backward] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [backward] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [backward] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [backward] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [backward] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -15696,37 +18351,68 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_v_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+        coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 46);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 47);
   }
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // kernel d_x: the epilogue of the layernorm_dx above
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+  trace_61.end();
 }
 
 }  // namespace coconet_gen

@@ -47,8 +47,11 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
   float* const v_t1_w1 = coconet::cuda::scratch<float>(6, S_N);
   COCONET_BUFFER(v_t1_w1, size_t(S_N) * sizeof(*v_t1_w1), "t1_w1");
   // w1: straight into w's segments
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (lamb.ccn:5)
   coconet::cuda::allreduce<float>(ncclAvg, p_g, v_g1, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: m1 (lamb.ccn:6)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -82,6 +85,8 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] kernel: v1 (lamb.ccn:7)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -115,6 +120,8 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: r (lamb.ccn:8)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -151,10 +158,16 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reduce t0_w1 = segment_norm(w) (lamb.ccn)
   coconet::cuda::segment_norm<float>(p_w, v_t0_w1, S_N, int64_t(0), seg_starts, false, ctx, 7);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reduce t1_w1 = segment_norm(r) (lamb.ccn)
   coconet::cuda::segment_norm<float>(v_r, v_t1_w1, S_N, int64_t(0), seg_starts, false, ctx, 8);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: w1 (lamb.ccn:9)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -189,8 +202,13 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   coconet::cuda::copy_in<float>(v_m1, p_m, S_N, ctx);  // update m
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   coconet::cuda::copy_in<float>(v_v1, p_v, S_N, ctx);  // update v
+  trace_8.end();
 }
 
 // program lamb, schedule rs_c_ag (lamb.ccn)
@@ -236,8 +254,11 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
   // agm: straight into m's segments
   // agv: straight into v's segments
   // agw: straight into w's segments
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (lamb.ccn:5)
   coconet::cuda::reduce_scatter<float>(ncclAvg, p_g, v_rs, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] kernel: m1 (lamb.ccn:6)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -271,6 +292,8 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] kernel: v1 (lamb.ccn:7)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -304,6 +327,8 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_c_ag] kernel: r (lamb.ccn:8)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -340,10 +365,16 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_c_ag] reduce t0_w1 = segment_norm(w) (lamb.ccn)
   coconet::cuda::segment_norm<float>(p_w, v_t0_w1, S_N, int64_t(0), seg_starts, false, ctx, 8);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [rs_c_ag] reduce t1_w1 = segment_norm(r) (lamb.ccn)
   coconet::cuda::segment_norm<float>(v_r, v_t1_w1, coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::slice_range(S_N, comm.size, comm.rank).begin, seg_starts, true, ctx, 9);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [rs_c_ag] kernel: w1 (lamb.ccn:9)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -378,12 +409,19 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     });
     }
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [rs_c_ag] allgather agm (NCCL) (lamb.ccn:14)
   coconet::cuda::allgather<float>(v_m1, p_m, S_N, ctx);  // straight into m's segments
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [rs_c_ag] allgather agv (NCCL) (lamb.ccn:14)
   coconet::cuda::allgather<float>(v_v1, p_v, S_N, ctx);  // straight into v's segments
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [rs_c_ag] allgather agw (NCCL) (lamb.ccn:14)
   coconet::cuda::allgather<float>(v_w1, p_w, S_N, ctx);  // straight into w's segments
+  trace_9.end();
 }
 
 // program lamb, schedule zero (lamb.ccn)
@@ -421,6 +459,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_N, comm.size, comm.rank).size());
   COCONET_BUFFER(v_w1, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_w1), "w1");
   // agw: straight into w's segments
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero] fused collective fused0: rs, m1, v1, r (lamb.ccn:21)
   // fused0: segment_norm(w), segment_norm(r) accumulated chunk by chunk
   const coconet::cuda::Partials pa_fused0 = coconet::cuda::partials(5, 0, int64_t(seg_starts.size() - 1) + int64_t(seg_starts.size() - 1), 0, "fused0", ctx);
@@ -534,6 +573,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
   }
   // [zero] allgather agw (NCCL) (lamb.ccn:19)
   coconet::cuda::allgather<float>(v_w1, p_w, S_N, ctx);  // straight into w's segments
+  trace_0.end();
 }
 
 // program lamb, schedule zero_w (lamb.ccn)
@@ -568,6 +608,7 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
   float* const v_t1_w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_N, comm.size, comm.rank).size());
   COCONET_BUFFER(v_t1_w1, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_t1_w1), "t1_w1");
   float* const v_w1 = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero_w] fused collective fused0: rs, m1, v1, r (lamb.ccn:31)
   // fused0: segment_norm(w), segment_norm(r) accumulated chunk by chunk
   const coconet::cuda::Partials pa_fused0 = coconet::cuda::partials(4, 0, int64_t(seg_starts.size() - 1) + int64_t(seg_starts.size() - 1), 0, "fused0", ctx);
@@ -667,6 +708,7 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

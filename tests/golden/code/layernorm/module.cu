@@ -33,8 +33,11 @@ void attn_out__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * S_H) * sizeof(*v_h), "h", stream);
   float* const v_out = a.output<float>(0);
   COCONET_PARAM(v_out, size_t(S_B * S_S * S_H) * sizeof(*v_out), "out", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce s (NCCL) (layernorm.ccn:4)
   coconet::cuda::allreduce<float>(ncclSum, v_y, v_s, S_B * S_S * S_H, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (layernorm.ccn:5)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -78,8 +81,11 @@ void attn_out__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] layernorm out (layernorm.ccn:6)
   coconet::cuda::layernorm<float>(v_h, v_gamma, v_beta, 1e-05, S_B * S_S, S_H, v_out, ctx);
+  trace_2.end();
 }
 
 // program attn_out, schedule seq_sliced (layernorm.ccn)
@@ -111,8 +117,11 @@ void attn_out__seq_sliced(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_agh, size_t(S_B * S_S * S_H) * sizeof(*v_agh), "agh", stream);
   float* const v_ago = a.output<float>(0);
   COCONET_PARAM(v_ago, size_t(S_B * S_S * S_H) * sizeof(*v_ago), "ago", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [seq_sliced] reducescatter rs (NCCL) (layernorm.ccn:4)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_y, v_rs, S_B, S_S, S_H, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [seq_sliced] kernel: h (layernorm.ccn:5)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -157,12 +166,19 @@ void attn_out__seq_sliced(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [seq_sliced] layernorm out (layernorm.ccn:6)
   coconet::cuda::layernorm<float>(v_h, v_gamma, v_beta, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_out, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [seq_sliced] allgather agh (NCCL) (layernorm.ccn:13)
   coconet::cuda::allgather<float>(v_h, v_agh, S_B, S_S, S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [seq_sliced] allgather ago (NCCL) (layernorm.ccn:13)
   coconet::cuda::allgather<float>(v_out, v_ago, S_B, S_S, S_H, ctx);
+  trace_4.end();
 }
 
 // program attn_out, schedule fused (layernorm.ccn)
@@ -190,6 +206,7 @@ void attn_out__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_h), "h");
   float* const v_agh = a.output<float>(1);
   COCONET_PARAM(v_agh, size_t(S_B * S_S * S_H) * sizeof(*v_agh), "agh", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] fused collective fused0: rs, h, out, ago (layernorm.ccn:19)
   {
     const int64_t base_fused0 = 0;
@@ -266,8 +283,11 @@ void attn_out__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_y + base_fused0 + k * ch_fused0; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_fused0, red0_fused0, red1_fused0, ctx, 32, reduce_to, compute, gather, source);
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] allgather agh (NCCL) (layernorm.ccn:18)
   coconet::cuda::allgather<float>(v_h, v_agh, S_B, S_S, S_H, ctx);
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

@@ -37,8 +37,11 @@ void mixed_adam_bf16__default(const coconet::cuda::CallArgs& a) {
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
   coconet::bfloat16* const v_h1 = v_w16;  // updates w16 in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (mixed_adam_bf16.ccn:6)
   coconet::cuda::allreduce<coconet::bfloat16>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: gf, m1, v1, w1 (mixed_adam_bf16.ccn:7)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -87,6 +90,8 @@ void mixed_adam_bf16__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] kernel: h1 (mixed_adam_bf16.ccn:11)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -111,6 +116,7 @@ void mixed_adam_bf16__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
 }
 
 // program mixed_adam_bf16, schedule zero (mixed_adam_bf16.ccn)
@@ -141,6 +147,7 @@ void mixed_adam_bf16__zero(const coconet::cuda::CallArgs& a) {
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
   coconet::bfloat16* const v_h1 = v_agh + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero] fused collective fused0: rs, gf, m1, v1, w1, h1, agh (mixed_adam_bf16.ccn:18)
   const coconet::cuda::FusedChoice choice_fused0 = coconet::cuda::choose_fused(ctx, "mixed_adam_bf16__zero", "fused0", S_N * int64_t(1));  // auto: the faster, measured on the first calls
   if (choice_fused0.symmetric) {  // one kernel over symmetric memory
@@ -274,6 +281,7 @@ void mixed_adam_bf16__zero(const coconet::cuda::CallArgs& a) {
     coconet::cuda::pipeline<coconet::bfloat16>(chunks_fused0, red0_fused0, red1_fused0, ctx, 24, reduce_to, compute, gather, source);
   }
   coconet::cuda::fused_done(choice_fused0, ctx);
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -33,10 +33,15 @@ void mlp_out__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   coconet::half* const v_out = a.output<coconet::half>(0);
   COCONET_PARAM(v_out, size_t(S_B * S_S * S_H) * sizeof(*v_out), "out", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul y (mlp_out.ccn:4)
   coconet::cuda::matmul<coconet::half>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allreduce s (NCCL) (mlp_out.ccn:5)
   coconet::cuda::allreduce<coconet::half>(ncclSum, v_y, v_s, S_B * S_S * S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] kernel: out (mlp_out.ccn:6)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -80,6 +85,7 @@ void mlp_out__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
 }
 
 // program mlp_out, schedule overlapped (mlp_out.ccn)
@@ -105,6 +111,7 @@ void mlp_out__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y");
   coconet::half* const v_ago = a.output<coconet::half>(0);
   COCONET_PARAM(v_ago, size_t(S_B * S_S * S_H) * sizeof(*v_ago), "ago", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] overlap y -> rs: 4 chunks along dim 0 (mlp_out.ccn:14)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -112,7 +119,10 @@ void mlp_out__overlapped(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 4; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 4, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<coconet::half>(v_x + rb.begin * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, v_y + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul<coconet::half>(v_x + rb.begin * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, v_y + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 2);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -162,6 +172,7 @@ void mlp_out__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 3);
   }
+  trace_0.end();
 }
 
 // program mlp_out, schedule fused (mlp_out.ccn)
@@ -187,8 +198,11 @@ void mlp_out__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y");
   coconet::half* const v_ago = a.output<coconet::half>(0);
   COCONET_PARAM(v_ago, size_t(S_B * S_S * S_H) * sizeof(*v_ago), "ago", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] matmul y (mlp_out.ccn:4)
   coconet::cuda::matmul<coconet::half>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] fused collective f: rs, out, ago (mlp_out.ccn:22)
   {
     const int64_t base_f = 0;
@@ -230,6 +244,7 @@ void mlp_out__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_y + base_f + k * ch_f; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<coconet::half>(chunks_f, red0_f, red1_f, ctx, 32, reduce_to, compute, gather, source);
   }
+  trace_1.end();
 }
 
 // program mlp_out, schedule rs_c_ag (mlp_out.ccn)
@@ -259,10 +274,15 @@ void mlp_out__rs_c_ag(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_out, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_out), "out");
   coconet::half* const v_ago = a.output<coconet::half>(0);
   COCONET_PARAM(v_ago, size_t(S_B * S_S * S_H) * sizeof(*v_ago), "ago", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] matmul y (mlp_out.ccn:4)
   coconet::cuda::matmul<coconet::half>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (mlp_out.ccn:5)
   coconet::cuda::reduce_scatter<coconet::half>(ncclSum, v_y, v_rs, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] kernel: out (mlp_out.ccn:6)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -308,8 +328,11 @@ void mlp_out__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_c_ag] allgather ago (NCCL) (mlp_out.ccn:28)
   coconet::cuda::allgather<coconet::half>(v_out, v_ago, S_B, S_S, S_H, ctx);
+  trace_3.end();
 }
 
 // program mlp_out, schedule overlap_ar (mlp_out.ccn)
@@ -337,6 +360,7 @@ void mlp_out__overlap_ar(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   coconet::half* const v_out = a.output<coconet::half>(0);
   COCONET_PARAM(v_out, size_t(S_B * S_S * S_H) * sizeof(*v_out), "out", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlap_ar] overlap y -> s: 2 chunks along dim 0 (mlp_out.ccn:33)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -344,12 +368,20 @@ void mlp_out__overlap_ar(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul<coconet::half>(v_x + r.begin * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, v_y + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul<coconet::half>(v_x + r.begin * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, v_y + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 3);
-      coconet::cuda::allreduce<coconet::half>(ncclSum, v_y + r.begin * S_S * S_H, v_s + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<coconet::half>(ncclSum, v_y + r.begin * S_S * S_H, v_s + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 4);
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlap_ar] kernel: out (mlp_out.ccn:6)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -393,6 +425,7 @@ void mlp_out__overlap_ar(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

@@ -28,8 +28,11 @@ void stage__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(S_B * S_H) * sizeof(*v_h), "h");
   float* const v_nxt = a.output<float>(0);
   COCONET_PARAM(v_nxt, size_t(S_B * S_H) * sizeof(*v_nxt), "nxt", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce s (NCCL) (pipeline.ccn:4)
   coconet::cuda::allreduce<float>(ncclSum, v_y, v_s, S_B * S_H, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (pipeline.ccn:5)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -70,8 +73,11 @@ void stage__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] send nxt (NCCL) (pipeline.ccn:6)
   coconet::cuda::send_shift<float>(v_h, v_nxt, S_B * S_H, true, ctx);
+  trace_2.end();
 }
 
 // program stage, schedule sliced_p2p (pipeline.ccn)
@@ -96,8 +102,11 @@ void stage__sliced_p2p(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_nxt, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_nxt), "nxt");
   float* const v_agn = a.output<float>(0);
   COCONET_PARAM(v_agn, size_t(S_B * S_H) * sizeof(*v_agn), "agn", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [sliced_p2p] reducescatter rs (NCCL) (pipeline.ccn:4)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_y, v_rs, int64_t(1), S_B, S_H, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [sliced_p2p] kernel: h (pipeline.ccn:5)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -138,10 +147,15 @@ void stage__sliced_p2p(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [sliced_p2p] send nxt (NCCL) (pipeline.ccn:6)
   coconet::cuda::send_shift<float>(v_h, v_nxt, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, true, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [sliced_p2p] allgather agn (NCCL) (pipeline.ccn:12)
   coconet::cuda::allgather<float>(v_nxt, v_agn, int64_t(1), S_B, S_H, ctx);
+  trace_3.end();
 }
 
 }  // namespace coconet_gen

@@ -28,8 +28,11 @@ void f1__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_h = a.output<float>(0);
   COCONET_PARAM(v_h, size_t(S_B * S_S * S_H) * sizeof(*v_h), "h", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce s (NCCL) (residual_dropout.ccn:4)
   coconet::cuda::allreduce<float>(ncclSum, v_y, v_s, S_B * S_S * S_H, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (residual_dropout.ccn:5)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -73,6 +76,7 @@ void f1__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
 }
 
 // program f1, schedule fused (residual_dropout.ccn)
@@ -93,6 +97,7 @@ void f1__fused(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[0])};
   float* const v_agh = a.output<float>(0);
   COCONET_PARAM(v_agh, size_t(S_B * S_S * S_H) * sizeof(*v_agh), "agh", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] fused collective fused0: rs, h, agh (residual_dropout.ccn:11)
   {
     const int64_t base_fused0 = 0;
@@ -134,6 +139,7 @@ void f1__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_y + base_fused0 + k * ch_fused0; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_fused0, red0_fused0, red1_fused0, ctx, 24, reduce_to, compute, gather, source);
   }
+  trace_0.end();
 }
 
 }  // namespace coconet_gen

@@ -45,8 +45,11 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
   coconet::half* const v_h1 = v_w16;  // updates w16 in place
   float* const v_newscale = a.output<float>(0);
   COCONET_PARAM(v_newscale, size_t(int64_t(1)) * sizeof(*v_newscale), "newscale", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (scaled_adam.ccn:11)
   coconet::cuda::allreduce<coconet::half>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: gf (scaled_adam.ccn:12)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -72,6 +75,8 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] kernel: t0_bad (scaled_adam.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -96,8 +101,12 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reduce bad = sum(t0_bad) (scaled_adam.ccn:13)
   coconet::cuda::reduce_sum<float, false>(v_t0_bad, v_bad, S_N, false, ctx, 4);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: m1, v1, w1 (scaled_adam.ccn:14)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -146,6 +155,8 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: h1 (scaled_adam.ccn:17)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -170,6 +181,8 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: newscale (scaled_adam.ccn:18)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -194,6 +207,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_6.end();
 }
 
 // program scaled_adam, schedule rs_c_ag (scaled_adam.ccn)
@@ -241,8 +255,11 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
   float* const v_agv = v_v;  // updates v in place
   float* const v_agw = v_w;  // updates w in place
   coconet::half* const v_agh = v_w16;  // updates w16 in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (scaled_adam.ccn:11)
   coconet::cuda::reduce_scatter<coconet::half>(ncclSum, v_g, v_rs, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] kernel: gf (scaled_adam.ccn:12)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -268,6 +285,8 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] kernel: t0_bad (scaled_adam.ccn)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -292,8 +311,12 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_c_ag] reduce bad = sum(t0_bad) (scaled_adam.ccn:13)
   coconet::cuda::reduce_sum<float, false>(v_t0_bad, v_bad, coconet::slice_range(S_N, comm.size, comm.rank).size(), true, ctx, 8);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_c_ag] kernel: m1, v1, w1 (scaled_adam.ccn:14)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -342,6 +365,8 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [rs_c_ag] kernel: h1 (scaled_adam.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -366,6 +391,8 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [rs_c_ag] kernel: newscale (scaled_adam.ccn:18)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -390,14 +417,23 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [rs_c_ag] allgather agm (NCCL) (scaled_adam.ccn:25)
   coconet::cuda::allgather<float>(v_m1, v_agm, int64_t(1), S_N, int64_t(1), ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [rs_c_ag] allgather agv (NCCL) (scaled_adam.ccn:25)
   coconet::cuda::allgather<float>(v_v1, v_agv, int64_t(1), S_N, int64_t(1), ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [rs_c_ag] allgather agw (NCCL) (scaled_adam.ccn:25)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [rs_c_ag] allgather agh (NCCL) (scaled_adam.ccn:25)
   coconet::cuda::allgather<coconet::half>(v_h1, v_agh, int64_t(1), S_N, int64_t(1), ctx);
+  trace_10.end();
 }
 
 // program scaled_adam, schedule zero (scaled_adam.ccn)
@@ -436,6 +472,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
   coconet::half* const v_h1 = v_agh + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
   float* const v_newscale = a.output<float>(0);
   COCONET_PARAM(v_newscale, size_t(int64_t(1)) * sizeof(*v_newscale), "newscale", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [zero] fused collective fused0: rs, gf (scaled_adam.ccn:33)
   // fused0: sum(t0_bad) accumulated chunk by chunk
   const coconet::cuda::Partials pa_fused0 = coconet::cuda::partials(3, 1, 0, 0, "fused0", ctx);
@@ -600,6 +637,8 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
   }
   // [zero] allgather agh (NCCL) (scaled_adam.ccn:31)
   coconet::cuda::allgather<coconet::half>(v_h1, v_agh, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [zero] kernel: newscale (scaled_adam.ccn:18)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -624,6 +663,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
 }
 
 }  // namespace coconet_gen

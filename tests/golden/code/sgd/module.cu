@@ -23,8 +23,11 @@ void sgd__default(const coconet::cuda::CallArgs& a) {
   float* const v_g1 = coconet::cuda::scratch<float>(1, S_N);
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_w1 = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (sgd.ccn:3)
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: w1 (sgd.ccn:4)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -51,6 +54,7 @@ void sgd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
 }
 
 // program sgd, schedule fused (sgd.ccn)
@@ -67,6 +71,7 @@ void sgd__fused(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<float> v_lr{float(a.scalars[0])};
   float* const v_agw = v_w;  // updates w in place
   float* const v_w1 = v_agw + coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);  // computed in place inside the gathered result
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] fused collective fused0: rs, w1, agw (sgd.ccn:10)
   const coconet::cuda::FusedChoice choice_fused0 = coconet::cuda::choose_fused(ctx, "sgd__fused", "fused0", S_N * int64_t(1));  // auto: the faster, measured on the first calls
   if (choice_fused0.symmetric) {  // one kernel over symmetric memory
@@ -144,6 +149,7 @@ void sgd__fused(const coconet::cuda::CallArgs& a) {
     coconet::cuda::pipeline<float>(chunks_fused0, red0_fused0, red1_fused0, ctx, 24, reduce_to, compute, gather, source);
   }
   coconet::cuda::fused_done(choice_fused0, ctx);
+  trace_0.end();
 }
 
 // program sgd, schedule rs_c_ag (sgd.ccn)
@@ -163,8 +169,11 @@ void sgd__rs_c_ag(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_N, comm.size, comm.rank).size());
   COCONET_BUFFER(v_w1, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_w1), "w1");
   float* const v_agw = v_w;  // updates w in place
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_c_ag] reducescatter rs (NCCL) (sgd.ccn:3)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g, v_rs, int64_t(1), S_N, int64_t(1), ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_c_ag] kernel: w1 (sgd.ccn:4)
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -191,8 +200,11 @@ void sgd__rs_c_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_c_ag] allgather agw (NCCL) (sgd.ccn:15)
   coconet::cuda::allgather<float>(v_w1, v_agw, int64_t(1), S_N, int64_t(1), ctx);
+  trace_2.end();
 }
 
 }  // namespace coconet_gen

@@ -38,8 +38,11 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -82,10 +85,16 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul p (tp_mlp.ccn:18)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:19)
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: y (tp_mlp.ccn:20)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -128,6 +137,7 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
 }
 
 // program tp_mlp, schedule overlapped (tp_mlp.ccn)
@@ -159,8 +169,11 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] kernel: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -203,6 +216,8 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] overlap p -> s: 2 chunks along dim 1 (tp_mlp.ccn:27)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -216,14 +231,22 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] kernel: y (tp_mlp.ccn:20)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -266,6 +289,7 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program tp_mlp, schedule rs_ag (tp_mlp.ccn)
@@ -300,8 +324,11 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y");
   float* const v_agy = a.output<float>(0);
   COCONET_PARAM(v_agy, size_t(S_B * S_S * S_H) * sizeof(*v_agy), "agy", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_ag] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_ag] kernel: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -344,10 +371,16 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_ag] matmul p (tp_mlp.ccn:18)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_ag] reducescatter rs (NCCL) (tp_mlp.ccn:19)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_p, v_rs, S_B, S_S, S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_ag] kernel: y (tp_mlp.ccn:20)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -390,8 +423,11 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [rs_ag] allgather agy (NCCL) (tp_mlp.ccn:33)
   coconet::cuda::allgather<float>(v_y, v_agy, S_B, S_S, S_H, ctx);
+  trace_5.end();
 }
 
 // program tp_block, schedule default (tp_mlp.ccn)
@@ -424,8 +460,11 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:65)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -468,10 +507,16 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul p (tp_mlp.ccn:67)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:68)
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: y (tp_mlp.ccn:69)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -515,6 +560,7 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
 }
 
 // program tp_block, schedule overlapped (tp_mlp.ccn)
@@ -546,8 +592,11 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] matmul a (tp_mlp.ccn:65)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] kernel: h (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -590,6 +639,8 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] overlap p -> s: 2 chunks along dim 1 (tp_mlp.ccn:74)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -603,14 +654,22 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] kernel: y (tp_mlp.ccn:69)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -654,6 +713,7 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program sp_block, schedule default (tp_mlp.ccn)
@@ -695,12 +755,19 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_rs, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_rs), "rs");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] layernorm n (tp_mlp.ccn:103)
   coconet::cuda::layernorm<float>(v_x, v_gamma, v_beta, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allgather xg (NCCL) (tp_mlp.ccn:104)
   coconet::cuda::allgather<float>(v_n, v_xg, S_B, S_S, S_H, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul a (tp_mlp.ccn:105)
   coconet::cuda::matmul<float>(v_xg, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: h (tp_mlp.ccn:106)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -743,10 +810,16 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] matmul p (tp_mlp.ccn:107)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reducescatter rs (NCCL) (tp_mlp.ccn:108)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_p, v_rs, S_B, S_S, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: y (tp_mlp.ccn:109)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -793,6 +866,7 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_6.end();
 }
 
 // program tp_mlp_grad, schedule default (tp_mlp.ccn)
@@ -839,8 +913,11 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h_add, h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -888,12 +965,20 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -920,14 +1005,23 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
+  trace_9.end();
 }
 
 // program tp_mlp_grad, schedule overlapped (tp_mlp.ccn)
@@ -973,8 +1067,11 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] kernel: h_add, h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1022,12 +1119,20 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1040,8 +1145,12 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1055,16 +1164,25 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 6);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_d_x, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_d_x, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 7);
   }
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_8.end();
 }
 
 // program tp_mlp_grad, schedule overlapped_h (tp_mlp.ccn)
@@ -1110,8 +1228,11 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped_h] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped_h] kernel: h_add, h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1159,12 +1280,20 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped_h] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1177,8 +1306,12 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1192,15 +1325,24 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * S_S * r.begin * int64_t(1);
       float* const Q = Q_all + S_B * S_S * r.begin * int64_t(1);
-      coconet::cuda::gemm_trans<float>(false, true, S_B * S_S, r.size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_g_h_add, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1 + r.begin * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), P, r.size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::gemm_trans<float>(false, true, S_B * S_S, r.size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_g_h_add, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1 + r.begin * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), P, r.size(), stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 6);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
-      coconet::cuda::unpack<float>(Q, v_d_x, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
+        coconet::cuda::unpack<float>(Q, v_d_x, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 7);
   }
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped_h] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_8.end();
 }
 
 // program tp_mlp_grad, schedule split_overlapped (tp_mlp.ccn)
@@ -1249,8 +1391,11 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_ag = a.output<float>(0);
   COCONET_PARAM(v_ag, size_t(S_B * S_S * S_H) * sizeof(*v_ag), "ag", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [split_overlapped] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [split_overlapped] kernel: h_add, h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1298,12 +1443,20 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [split_overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1316,8 +1469,12 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1325,16 +1482,27 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 8);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 9);
   }
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [split_overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [split_overlapped] allgather ag (NCCL) (tp_mlp.ccn)
   coconet::cuda::allgather<float>(v_rs, v_ag, S_B, S_S, S_H, ctx);
+  trace_9.end();
 }
 
 // program tp_block_grad, schedule default (tp_mlp.ccn)
@@ -1383,8 +1551,11 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:65)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h_add, h (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1432,12 +1603,20 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1464,12 +1643,20 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_g_x, S_B * S_S * S_H, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] kernel: d_x (tp_mlp.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -1495,8 +1682,11 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
+  trace_10.end();
 }
 
 // program tp_block_grad, schedule fused (tp_mlp.ccn)
@@ -1543,8 +1733,11 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_agx, size_t(S_B * S_S * S_H) * sizeof(*v_agx), "agx", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] matmul a (tp_mlp.ccn:65)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] kernel: h_add, h (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1592,12 +1785,20 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1610,8 +1811,12 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -1619,7 +1824,10 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 7);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -1668,8 +1876,11 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 8);
   }
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [fused] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_8.end();
 }
 
 // program tp_block_fwd, schedule default (tp_mlp.ccn)
@@ -1702,8 +1913,11 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:65)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1746,10 +1960,16 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul p (tp_mlp.ccn:67)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:68)
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: y (tp_mlp.ccn:69)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -1793,6 +2013,7 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
 }
 
 // program tp_block_fwd, schedule overlapped (tp_mlp.ccn)
@@ -1824,8 +2045,11 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] matmul a (tp_mlp.ccn:65)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] kernel: h (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1868,6 +2092,8 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] overlap p -> s: 2 chunks along dim 1 (tp_mlp.ccn:74)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1881,14 +2107,22 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 2);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 3);
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] kernel: y (tp_mlp.ccn:69)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -1932,6 +2166,7 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program tp_block_bwd, schedule default (tp_mlp.ccn)
@@ -1980,6 +2215,7 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] kernel: h_add (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2022,12 +2258,20 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2054,12 +2298,20 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_g_x, S_B * S_S * S_H, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] kernel: d_x (tp_mlp.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -2085,8 +2337,11 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
+  trace_9.end();
 }
 
 // program tp_block_bwd, schedule fused (tp_mlp.ccn)
@@ -2133,6 +2388,7 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_agx, size_t(S_B * S_S * S_H) * sizeof(*v_agx), "agx", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [fused] kernel: h_add (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2175,12 +2431,20 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [fused] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [fused] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2193,8 +2457,12 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -2202,7 +2470,10 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, sctx.stream, 5);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
@@ -2251,8 +2522,11 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 6);
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [fused] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_7.end();
 }
 
 // program tp_mlp_fwd, schedule default (tp_mlp.ccn)
@@ -2285,8 +2559,11 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] kernel: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2329,10 +2606,16 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul p (tp_mlp.ccn:18)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:19)
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: y (tp_mlp.ccn:20)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -2375,6 +2658,7 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
 }
 
 // program tp_mlp_fwd, schedule overlapped (tp_mlp.ccn)
@@ -2406,8 +2690,11 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] kernel: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2450,6 +2737,8 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] overlap p -> s: 2 chunks along dim 1 (tp_mlp.ccn:27)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -2463,14 +2752,22 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 2);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 3);
   }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] kernel: y (tp_mlp.ccn:20)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -2513,6 +2810,7 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_3.end();
 }
 
 // program tp_mlp_fwd, schedule rs_ag (tp_mlp.ccn)
@@ -2547,8 +2845,11 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y");
   float* const v_agy = a.output<float>(0);
   COCONET_PARAM(v_agy, size_t(S_B * S_S * S_H) * sizeof(*v_agy), "agy", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_ag] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_ag] kernel: h (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2591,10 +2892,16 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [rs_ag] matmul p (tp_mlp.ccn:18)
   coconet::cuda::matmul<float>(v_h, v_w2, v_p, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [rs_ag] reducescatter rs (NCCL) (tp_mlp.ccn:19)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_p, v_rs, S_B, S_S, S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [rs_ag] kernel: y (tp_mlp.ccn:20)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2637,8 +2944,11 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [rs_ag] allgather agy (NCCL) (tp_mlp.ccn:33)
   coconet::cuda::allgather<float>(v_y, v_agy, S_B, S_S, S_H, ctx);
+  trace_5.end();
 }
 
 // program tp_mlp_bwd, schedule default (tp_mlp.ccn)
@@ -2685,6 +2995,7 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] kernel: h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2727,12 +3038,20 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2759,14 +3078,23 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
+  trace_8.end();
 }
 
 // program tp_mlp_bwd, schedule overlapped (tp_mlp.ccn)
@@ -2812,6 +3140,7 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped] kernel: h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2854,12 +3183,20 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2872,8 +3209,12 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -2887,16 +3228,25 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_d_x, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_d_x, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_7.end();
 }
 
 // program tp_mlp_bwd, schedule overlapped_h (tp_mlp.ccn)
@@ -2942,6 +3292,7 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [overlapped_h] kernel: h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2984,12 +3335,20 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped_h] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3002,8 +3361,12 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3017,15 +3380,24 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * S_S * r.begin * int64_t(1);
       float* const Q = Q_all + S_B * S_S * r.begin * int64_t(1);
-      coconet::cuda::gemm_trans<float>(false, true, S_B * S_S, r.size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_g_h_add, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1 + r.begin * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), P, r.size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::gemm_trans<float>(false, true, S_B * S_S, r.size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_g_h_add, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1 + r.begin * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), P, r.size(), stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
-      coconet::cuda::unpack<float>(Q, v_d_x, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
+        coconet::cuda::unpack<float>(Q, v_d_x, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped_h] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_7.end();
 }
 
 // program tp_mlp_bwd, schedule split_overlapped (tp_mlp.ccn)
@@ -3074,6 +3446,7 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_ag = a.output<float>(0);
   COCONET_PARAM(v_ag, size_t(S_B * S_S * S_H) * sizeof(*v_ag), "ag", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [split_overlapped] kernel: h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3116,12 +3489,20 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
   // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [split_overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3134,8 +3515,12 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3143,16 +3528,27 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 6);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 7);
   }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [split_overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [split_overlapped] allgather ag (NCCL) (tp_mlp.ccn)
   coconet::cuda::allgather<float>(v_rs, v_ag, S_B, S_S, S_H, ctx);
+  trace_8.end();
 }
 
 }  // namespace coconet_gen

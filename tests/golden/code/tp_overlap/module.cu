@@ -26,10 +26,14 @@ void row_parallel__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y");
   float* const v_s = a.output<float>(0);
   COCONET_PARAM(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul y (tp_overlap.ccn:4)
   coconet::cuda::matmul<float>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allreduce s (NCCL) (tp_overlap.ccn:5)
   coconet::cuda::allreduce<float>(ncclSum, v_y, v_s, S_B * S_S * S_H, ctx);
+  trace_1.end();
 }
 
 // program row_parallel, schedule seq_chunks (tp_overlap.ccn)
@@ -49,6 +53,7 @@ void row_parallel__seq_chunks(const coconet::cuda::CallArgs& a) {
   // y: only as packed chunks of its overlap
   float* const v_s = a.output<float>(0);
   COCONET_PARAM(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [seq_chunks] overlap y -> s: 2 chunks along dim 1 (tp_overlap.ccn:11)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -62,14 +67,21 @@ void row_parallel__seq_chunks(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * S_H;
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul<float>(v_x + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul<float>(v_x + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 1);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
-      coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
+        coconet::cuda::unpack<float>(Q, v_s, S_B, S_S, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 2);
   }
+  trace_0.end();
 }
 
 // program row_parallel, schedule col_chunks (tp_overlap.ccn)
@@ -89,6 +101,7 @@ void row_parallel__col_chunks(const coconet::cuda::CallArgs& a) {
   // y: only as packed chunks of its overlap
   float* const v_s = a.output<float>(0);
   COCONET_PARAM(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [col_chunks] overlap y -> s: 3 chunks along dim 2 (tp_overlap.ccn:16)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -102,13 +115,20 @@ void row_parallel__col_chunks(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * S_S * r.begin * int64_t(1);
       float* const Q = Q_all + S_B * S_S * r.begin * int64_t(1);
-      coconet::cuda::gemm<float>(S_B * S_S, r.size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w + r.begin, S_H, P, r.size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        coconet::cuda::gemm<float>(S_B * S_S, r.size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w + r.begin, S_H, P, r.size(), stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 1);
-      coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
-      coconet::cuda::unpack<float>(Q, v_s, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
+        coconet::cuda::unpack<float>(Q, v_s, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 2);
   }
+  trace_0.end();
 }
 
 // program row_parallel, schedule rs_seq (tp_overlap.ccn)
@@ -130,6 +150,7 @@ void row_parallel__rs_seq(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_rs, size_t(S_B * S_S * coconet::slice_range(S_H, comm.size, comm.rank).size()) * sizeof(*v_rs), "rs");
   float* const v_ag = a.output<float>(0);
   COCONET_PARAM(v_ag, size_t(S_B * S_S * S_H) * sizeof(*v_ag), "ag", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [rs_seq] overlap y -> rs: 2 chunks along dim 1 (tp_overlap.ccn:22)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -143,16 +164,25 @@ void row_parallel__rs_seq(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + S_B * r.begin * S_H;
       float* const Q = Q_all + S_B * r.begin * coconet::slice_range(S_H, comm.size, comm.rank).size();
-      for (int64_t o = 0; o < S_B; ++o)
-        coconet::cuda::matmul<float>(v_x + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < S_B; ++o)
+          coconet::cuda::matmul<float>(v_x + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 2);
-      coconet::cuda::reduce_scatter<float>(ncclSum, P, Q, S_B * r.size(), S_H, int64_t(1), cctx);
-      coconet::cuda::unpack<float>(Q, v_rs, S_B, S_S, coconet::slice_range(S_H, comm.size, comm.rank).size(), r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::reduce_scatter<float>(ncclSum, P, Q, S_B * r.size(), S_H, int64_t(1), cctx);
+        coconet::cuda::unpack<float>(Q, v_rs, S_B, S_S, coconet::slice_range(S_H, comm.size, comm.rank).size(), r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 3);
   }
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [rs_seq] allgather ag (NCCL) (tp_overlap.ccn:5)
   coconet::cuda::allgather<float>(v_rs, v_ag, S_B * S_S, S_H, int64_t(1), ctx);
+  trace_1.end();
 }
 
 // program col_parallel, schedule default (tp_overlap.ccn)
@@ -172,10 +202,14 @@ void col_parallel__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(S_M * coconet::slice_range(S_H, comm.size, comm.rank).size()) * sizeof(*v_y), "y");
   float* const v_s = a.output<float>(0);
   COCONET_PARAM(v_s, size_t(S_M * S_H) * sizeof(*v_s), "s", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul y (tp_overlap.ccn:26)
   coconet::cuda::matmul<float>(v_x, v_w, v_y, S_M, S_K, coconet::slice_range(S_H, comm.size, comm.rank).size(), stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allgather s (NCCL) (tp_overlap.ccn:27)
   coconet::cuda::allgather<float>(v_y, v_s, S_M, S_H, int64_t(1), ctx);
+  trace_1.end();
 }
 
 // program col_parallel, schedule gather_rows (tp_overlap.ccn)
@@ -194,6 +228,7 @@ void col_parallel__gather_rows(const coconet::cuda::CallArgs& a) {
   // y: only as packed chunks of its overlap
   float* const v_s = a.output<float>(0);
   COCONET_PARAM(v_s, size_t(S_M * S_H) * sizeof(*v_s), "s", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
   // [gather_rows] overlap y -> s: 2 chunks along dim 0 (tp_overlap.ccn:33)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -207,14 +242,21 @@ void col_parallel__gather_rows(const coconet::cuda::CallArgs& a) {
       if (r.empty()) continue;
       float* const P = P_all + int64_t(1) * r.begin * coconet::slice_range(S_H, comm.size, comm.rank).size();
       float* const Q = Q_all + int64_t(1) * r.begin * S_H;
-      for (int64_t o = 0; o < int64_t(1); ++o)
-        coconet::cuda::matmul<float>(v_x + (o * S_M + r.begin) * int64_t(1) * S_K, v_w, P + o * r.size() * coconet::slice_range(S_H, comm.size, comm.rank).size(), r.size() * int64_t(1), S_K, coconet::slice_range(S_H, comm.size, comm.rank).size(), stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
+        for (int64_t o = 0; o < int64_t(1); ++o)
+          coconet::cuda::matmul<float>(v_x + (o * S_M + r.begin) * int64_t(1) * S_K, v_w, P + o * r.size() * coconet::slice_range(S_H, comm.size, comm.rank).size(), r.size() * int64_t(1), S_K, coconet::slice_range(S_H, comm.size, comm.rank).size(), stream);
+      }
       coconet::cuda::join(ctx.stream, ctx.comm_stream, 1);
-      coconet::cuda::allgather<float>(P, Q, r.size(), S_H, int64_t(1), cctx);
-      coconet::cuda::unpack<float>(Q, v_s, int64_t(1), S_M, S_H, r, ctx.comm_stream);
+      {
+        const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
+        coconet::cuda::allgather<float>(P, Q, r.size(), S_H, int64_t(1), cctx);
+        coconet::cuda::unpack<float>(Q, v_s, int64_t(1), S_M, S_H, r, ctx.comm_stream);
+      }
     }
     coconet::cuda::join(ctx.comm_stream, ctx.stream, 2);
   }
+  trace_0.end();
 }
 
 }  // namespace coconet_gen
