@@ -1,37 +1,21 @@
-"""What the tests that run a worker script on R MPI ranks share: the build cache in pytest's
-cache folder (so the ranks only import modules built once), the launch, the worker's report
-lines ("OK <label> ..." / "FAIL <label>: <why>", printed by rank 0), and several `coconetc run`
-jobs in one launch (run_jobs)."""
+"""What the tests that run a worker script on R MPI ranks share: the launch (on the pool of R
+ranks, tests/rank_pool.py), the worker's report lines ("OK <label> ..." / "FAIL <label>: <why>",
+printed by rank 0), and several `coconetc run` jobs in one launch (run_jobs). Every module is
+built into the session's build cache (conftest.py), so the ranks only import what a fixture
+built."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from coconetc.launch import mpiexec
 from coconetc.launch.mpiexec import run_python
-from coconetc.toolchain import probes
 
 import rank_pool
-
-
-@contextmanager
-def build_cache(request) -> Iterator[Path]:
-    """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts), restored after."""
-    old = os.environ.get(probes.ENV_CACHE)
-    path = Path(request.config.cache.mkdir("coconet-build"))
-    os.environ[probes.ENV_CACHE] = str(path)
-    try:
-        yield path
-    finally:
-        if old is None:
-            os.environ.pop(probes.ENV_CACHE, None)
-        else:
-            os.environ[probes.ENV_CACHE] = old
 
 
 def shared_file(request, folder: str, name: str, text: str) -> Path:

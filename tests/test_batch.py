@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rank_checks import build_cache, check, launch
+from rank_checks import check, launch
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("batch_worker.py")
@@ -23,11 +23,10 @@ def built(request):
     """The three files built once into the pytest cache (the ranks only import them)."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file
-    with build_cache(request):
-        mods = {f: load_file(REPO / "examples" / f) for f in FILES}
-        for mod in mods.values():
-            compile_cpu(mod, log=lambda msg: None)
-        yield mods
+    mods = {f: load_file(REPO / "examples" / f) for f in FILES}
+    for mod in mods.values():
+        compile_cpu(mod, log=lambda msg: None)
+    yield mods
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +39,10 @@ def built_cuda(request, built):
     from coconetc.runtime.cuda import EMULATE
     saved = os.environ.get(EMULATE)
     os.environ[EMULATE] = "1"
-    with build_cache(request):
-        schedules = {f: set(next(iter(coconetc.load(REPO / "examples" / f, log=lambda msg: None,
-                                                     backend="cuda").programs.values())).schedules)
-                     for f in FILES}
-        yield schedules
+    schedules = {f: set(next(iter(coconetc.load(REPO / "examples" / f, log=lambda msg: None,
+                                                 backend="cuda").programs.values())).schedules)
+                 for f in FILES}
+    yield schedules
     if saved is None:
         os.environ.pop(EMULATE, None)
     else:

@@ -31,20 +31,14 @@ N = 13
 
 @pytest.fixture(scope="module")
 def built(request):
-    """COCONET_CACHE -> the pytest cache for this module (and the ranks it starts); the files
-    the workers use built once here, so that the ranks only import them."""
+    """The files the workers use built once here (in the session's build cache, conftest.py),
+    so that the ranks only import them."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     for f in COMM_FILES:
         compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 def _launch(capfd, ranks: int, mode: str, files, timeout: float, env: dict | None = None):

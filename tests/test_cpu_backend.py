@@ -124,16 +124,12 @@ CHUNKED = list(_chunked_matrix())
 # --- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def modules(request):
-    """COCONET_CACHE -> .pytest_cache/d/coconet-build for the whole session (and the ranks it
-    starts), and every example the session's tests of this file run built once and imported
+    """Every example the session's tests of this file run built once and imported
     here, so that the ranks only import (any other on first use). The map holds each file's
     loaded module or the exception building or importing it raised (reported by the tests that
     use that file)."""
     import coconetc
     from coconetc.runtime.loader import compile_cpu
-    cache_root = request.config.cache.mkdir("coconet-build")
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(cache_root)
     probes.toolchain(), probes.compiler_hash()  # computed once, before the threads
 
     def build(f: Path):  # one compiler process per core: the files build side by side
@@ -161,10 +157,6 @@ def modules(request):
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         builds = list(pool.map(build, todo))
     yield Modules({f.name: load(f, b) for f, b in zip(todo, builds)})
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 def _files_run(items) -> set[str]:

@@ -45,17 +45,11 @@ def built(request):
     """Every example's emulated module, built once here (the ranks then only import), in the
     session's build cache that tests/test_cpu_backend.py uses too (the dropout test's CPU
     modules are built there already)."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     from concurrent.futures import ThreadPoolExecutor
     probes.toolchain(), probes.compiler_hash()  # computed once, before the threads
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda f: _emulated(EX / f"{f}.ccn"), FILES))
     yield True
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 def _emulated(path: Path):

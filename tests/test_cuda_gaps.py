@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from rank_checks import build_cache
 
 from coconetc import toolchain
 from coconetc.sourcefile import load_file
@@ -70,10 +69,9 @@ def emulated(request):
     why = probes.emulation_missing()
     if why:
         pytest.skip(why)
-    with build_cache(request):
-        for file in CASES:
-            load_emulated(PROGRAMS / file, log=lambda msg: None)
-        yield
+    for file in CASES:
+        load_emulated(PROGRAMS / file, log=lambda msg: None)
+    yield
 
 
 @pytest.mark.slow

@@ -9,15 +9,14 @@ sm_90 where nvcc is installed."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rank_checks import ranks_run
 
 from coconetc import toolchain
-from coconetc.launch import mpiexec
 from coconetc.sourcefile import load_file
 from coconetc.toolchain import compiler, probes
 
@@ -62,25 +61,12 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     why = probes.emulation_missing()
     if why:
         pytest.skip(why)
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    try:
-        toolchain.compile(load_file(EPILOGUES), "cuda-emulated", toolchain.Options(log=lambda msg: None))
-        env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-                   OMPI_MCA_mpi_yield_when_idle="1")
-        res = subprocess.run(mpiexec.command(2, [sys.executable, WORKER, "match", "9", "0", str(EPILOGUES)]),
-                             env=env, capture_output=True, text=True, timeout=600)
-        refused = subprocess.run(mpiexec.command(2, [sys.executable, WORKER, "match", "9", "0", str(EPILOGUES)]),
-                                 env=dict(env, COCONET_EMULATE_NO_CUBLASLT="1"), capture_output=True, text=True,
-                                 timeout=600)
-        k0 = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "bias_k",
-                             "--backend", "cuda", "--emulate", "--ranks", "1", "--size", "M=3", "--size", "K=0"],
-                            env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        if old is None:
-            os.environ.pop(probes.ENV_CACHE, None)
-        else:
-            os.environ[probes.ENV_CACHE] = old
+    toolchain.compile(load_file(EPILOGUES), "cuda-emulated", toolchain.Options(log=lambda msg: None))
+    res = ranks_run(2, [WORKER, "match", "9", "0", str(EPILOGUES)])
+    refused = ranks_run(2, [WORKER, "match", "9", "0", str(EPILOGUES)], env={"COCONET_EMULATE_NO_CUBLASLT": "1"})
+    k0 = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "bias_k",
+                         "--backend", "cuda", "--emulate", "--ranks", "1", "--size", "M=3", "--size", "K=0"],
+                        capture_output=True, text=True, timeout=600)
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
@@ -108,12 +94,10 @@ def test_the_bias_gradient_is_the_weight_gradients_epilogue_under_the_emulation(
     why = probes.emulation_missing()
     if why:
         pytest.skip(why)
-    env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-               OMPI_MCA_mpi_yield_when_idle="1", **{probes.ENV_CACHE: str(request.config.cache.mkdir("coconet-build"))})
     for m in ("3", "0"):  # M = 0: no rows, matmul_tn_bgrad's unfused pair (zeros)
         res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "linear",
                               "--grad", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", f"M={m}", "--size", "B=2"],
-                             env=env, capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=600)
         assert res.returncode == 0 and "matches the interpreter on every rank" in res.stdout, \
             m + res.stdout + res.stderr[-4000:]
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rank_checks import build_cache
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc import toolchain
@@ -228,20 +227,18 @@ def _check(capfd, ranks: int, argv: list[str], want: list[str]) -> None:
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_cpu_matches_interpreter(request, capfd):
     import coconetc
-    with build_cache(request):
-        coconetc.load(FILE, log=lambda msg: None)  # built once; the ranks import it
-        for ranks in (2, 3):
-            _check(capfd, ranks, *_jobs(ranks))
+    coconetc.load(FILE, log=lambda msg: None)  # built once; the ranks import it
+    for ranks in (2, 3):
+        _check(capfd, ranks, *_jobs(ranks))
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(request, capfd):
     from coconetc.runtime.cuda import load_emulated
-    with build_cache(request):
-        load_emulated(FILE, log=lambda msg: None)
-        for ranks in (2, 3):
-            argv, want = _jobs(ranks, "--emulate-cuda")
-            _check(capfd, ranks, argv, [w + " (CUDA, host emulation)" for w in want])
+    load_emulated(FILE, log=lambda msg: None)
+    for ranks in (2, 3):
+        argv, want = _jobs(ranks, "--emulate-cuda")
+        _check(capfd, ranks, argv, [w + " (CUDA, host emulation)" for w in want])
 
 
 @pytest.mark.slow

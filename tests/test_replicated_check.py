@@ -31,8 +31,6 @@ FILES = {"cpu": REPO / "examples" / "adam.ccn", "cuda": REPO / "examples" / "sgd
 def built(request):
     """The two modules built once into the pytest cache (shared with the other launch tests),
     so that the ranks only import them."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     from coconetc import toolchain
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file
@@ -40,10 +38,6 @@ def built(request):
     if probes.emulation_missing() is None:
         toolchain.compile(load_file(FILES["cuda"]), Target.EMULATED, toolchain.Options(log=lambda msg: None))
     yield True
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 def _launch(mode: str, backend: str, check: str | None) -> subprocess.CompletedProcess:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rank_checks import build_cache
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -31,10 +30,9 @@ def built(request):
     other end-to-end tests build them: no module of its own)."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file, with_grads
-    with build_cache(request):
-        compile_cpu(with_grads(load_file(TP_MLP), ["tp_mlp"]), log=lambda msg: None)
-        compile_cpu(load_file(ADAM), log=lambda msg: None)
-        yield
+    compile_cpu(with_grads(load_file(TP_MLP), ["tp_mlp"]), log=lambda msg: None)
+    compile_cpu(load_file(ADAM), log=lambda msg: None)
+    yield
 
 
 def _weights(seed: int, h: int = 4, f: int = 6) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from rank_checks import check, launch
 
-from coconetc.toolchain import probes
 from coconetc.ir.slices import slice_range
 
 torch = pytest.importorskip("torch")
@@ -32,20 +31,14 @@ HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 @pytest.fixture(scope="module")
 def built(request):
-    """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts); adam.ccn,
-    lamb.ccn, adamw.ccn and scaled_adam.ccn built once here, so that the ranks only import them."""
+    """adam.ccn, lamb.ccn, adamw.ccn and scaled_adam.ccn built once here (in the session's build
+    cache, conftest.py), so that the ranks only import them."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     for f in (ADAM, LAMB, ADAMW, SCALED):
         compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 def _launch(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:

@@ -27,7 +27,6 @@ import pytest
 from rank_checks import check, launch, symmetric_window_bytes
 
 from coconetc.launch.mpiexec import run_python
-from coconetc.toolchain import probes
 
 torch = pytest.importorskip("torch")
 
@@ -40,22 +39,19 @@ HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 @pytest.fixture(scope="module")
 def built(request):
-    """COCONET_CACHE -> the pytest cache, COCONET_CUDA_EMULATE=1 (for this process and the
-    ranks it starts); every file's emulated CUDA module and CPU module built once here."""
+    """COCONET_CUDA_EMULATE=1 (for this process and the ranks it starts); every file's emulated CUDA module and CPU module built once here."""
     import coconetc
     from coconetc.runtime.cuda import EMULATE
-    saved = {k: os.environ.get(k) for k in (probes.ENV_CACHE, EMULATE)}
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    saved = os.environ.get(EMULATE)
     os.environ[EMULATE] = "1"
     for f in FILES:
         coconetc.load(EX / f"{f}.ccn", log=lambda msg: None, backend="cuda")
         coconetc.load(EX / f"{f}.ccn", log=lambda msg: None)
     yield True
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    if saved is None:
+        os.environ.pop(EMULATE, None)
+    else:
+        os.environ[EMULATE] = saved
 
 
 def _run(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:

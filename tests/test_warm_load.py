@@ -17,7 +17,6 @@ import coconetc
 from coconetc import sourcefile
 from coconetc.ir import ops
 from coconetc.runtime import loader, warm
-from rank_checks import build_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,10 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 def sgd(tmp_path, request):
     """examples/sgd.ccn with its program named after the test (its own module, which the test may
     break without touching the module other tests, on other workers, load at the same time)."""
-    with build_cache(request):
-        path = tmp_path / "sgd.ccn"
-        path.write_text((REPO / "examples" / "sgd.ccn").read_text().replace("sgd", PROGRAM[request.node.name]))
-        yield path
+    path = tmp_path / "sgd.ccn"
+    path.write_text((REPO / "examples" / "sgd.ccn").read_text().replace("sgd", PROGRAM[request.node.name]))
+    yield path
 
 
 PROGRAM = {"test_second_load_reads_the_record": "sgd_warm",
