@@ -157,6 +157,25 @@ def test_show_unknown_names(args: tuple[str, ...], needle: str) -> None:
     clean_error(invoke("show", REPO / "examples" / "adam.ccn", *args), needle)
 
 
+def test_show_after_each_pass_of_the_planner() -> None:
+    """--after NAME: the plan as that pass left it. tp_mlp's overlapped schedule: the GELU loop
+    becomes the first GEMM's epilogue in `epilogues` (not before), and after the last pass the
+    plan is the file's plan; --after without --format plan says to add it."""
+    from coconetc.plan.planner import PASS_NAMES
+    from coconetc.plan.show import show as show_plan
+    path = REPO / "examples" / "tp_mlp.ccn"
+    out = {}
+    for name in PASS_NAMES:
+        res = invoke("show", path, "-p", "tp_mlp", "-s", "overlapped", "--format", "plan", "--after", name)
+        assert res.exit_code == 0, res.output
+        out[name] = res.stdout
+    epilogue = "epilogue gelu_bias(b1) -> h"
+    assert epilogue not in out["lower"] and epilogue in out["epilogues"], out["epilogues"]
+    assert out["verify"] == show_plan(load_file(path).plans[("tp_mlp", "overlapped")])
+    clean_error(invoke("show", path, "-p", "tp_mlp", "--after", "lower"), "add --format plan")
+    assert invoke("show", path, "-p", "tp_mlp", "--after", "nope", "--format", "plan").exit_code == 2
+
+
 def test_show_auto_schedule_is_a_clean_error() -> None:
     clean_error(invoke("show", REPO / "examples" / "sgd.ccn", "-s", "auto"), "autotuner")
 

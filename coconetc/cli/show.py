@@ -9,6 +9,7 @@ from coconetc.cli.files import fail, load_ccn, parse_label, pick_program
 from coconetc.cli.options import checked_target, records_options
 from coconetc.errors import CompileError
 from coconetc.plan.label import DEFAULT, parse
+from coconetc.plan.planner import PASS_NAMES, plan_program
 from coconetc.sourcefile import SourceFile
 
 
@@ -21,14 +22,18 @@ from coconetc.sourcefile import SourceFile
               "of a file of several programs without --program, each one's in turn.")
 @click.option("--wrt", help="With --grad: the inputs to differentiate, comma-separated (default: every "
               "floating tensor parameter).")
+@click.option("--after", type=click.Choice(PASS_NAMES), help="With --format plan: the plan as the planner's pass of "
+              "this name left it (the passes in order: " + ", ".join(PASS_NAMES) + ").")
 @records_options("-s auto shows the choice of the records measured on that backend (the plan "
                   "itself is every backend's)")
 def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: bool, wrt: str | None,
-         backend: str, emulate: bool) -> None:
+         after: str | None, backend: str, emulate: bool) -> None:
     """Print a program's IR as .ccn text, its stage graph as Graphviz dot, or its execution
     plan (what every backend runs: buffers, then one unit a line with its .ccn line)."""
     from coconetc.ir import printer
     target = checked_target("show", backend, emulate, "read the records measured under the host emulation")
+    if after is not None and fmt != "plan":
+        fail(f"coconetc: --after {after} shows a plan: add --format plan")
     mod = load_ccn(file)
     if grad or wrt is not None:
         own = [n for n in mod.programs if n not in mod.derived]
@@ -38,7 +43,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
                     click.echo()
                 _show_grad(mod, name, None, fmt, None)
             return
-        _show_grad(mod, pick_program(mod, program, None), schedule, fmt, wrt)
+        _show_grad(mod, pick_program(mod, program, None), schedule, fmt, wrt, after)
         return
     name = pick_program(mod, program, schedule)
     ir = mod.programs[name]
@@ -57,12 +62,14 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
         ir = sched.ir
     if fmt == "plan":
         from coconetc.plan.show import show as show_plan
-        click.echo(show_plan(mod.plans[(name, label.name)]), nl=False)
+        plan = mod.plans[(name, label.name)] if after is None else plan_program(ir, label.name, after=after)
+        click.echo(show_plan(plan), nl=False)
         return
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 
 
-def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None) -> None:
+def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None,
+               after: str | None = None) -> None:
     """show --grad: the derived program of the program (text, dot or plan), under one of the
     file's `schedule s for grad(p)` with -s; what the forward saves as a comment."""
     from coconetc.autodiff.saved import pairing
@@ -76,6 +83,8 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
     if fmt == "plan":
         from coconetc.plan.show import show as show_plan
         assert plan is not None
+        if after is not None:
+            plan = plan_program(ir, plan.schedule, after=after)
         click.echo(show_plan(plan), nl=False)
         return
     bad = unfaithful_sites(ir)

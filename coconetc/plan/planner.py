@@ -7,13 +7,16 @@ expression are computed first, what a fused collective computes on each chunk an
 wait for all chunks, how an overlap cuts its matmul. What no backend can run is a PlanError
 at the directive that asked for it, so `coconetc check` reports it.
 
-The passes, in order: the planner (what runs, the same for every target), the per-target pass
-(plan/targets.py: each target's algorithms and chunking, buffer placement, what a target does
-not implement, located), the verifier (plan/verify.py)."""
+The passes, in order, are one flat list, PASSES: lowering (what runs, the same for every
+target), epilogues (plan/epilogue.py), attention calls (plan/attention.py), column sums
+(plan/colsums.py), the per-target decisions (plan/targets.py: each target's algorithms and
+chunking, buffer placement, what a target does not implement, located) and the verifier
+(plan/verify.py). `coconetc show --format plan --after NAME` prints the plan after any of them."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops as registry
@@ -32,11 +35,65 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, 
                                  Phase, Plan, Reduce, Require, Term, Unit)
 
 
-def plan_program(p: Program, schedule: str = "default", target: str | None = None) -> Plan:
-    """The execution plan of a (scheduled) program, with every target's decisions. target:
-    also require that this target implements all of it (else a PlanError at each directive
-    it does not implement)."""
-    plan = verify(decide(_Planner(p, schedule).run(), lambda u: _locate(p, u)))
+def _lower(plan: Plan, p: Program) -> Plan:
+    return _Planner(p, plan.schedule).run()
+
+
+def _epilogues(plan: Plan, p: Program) -> Plan:
+    return replace(plan, units=tuple(with_epilogues(list(plan.units), {b.name: b for b in plan.buffers})))
+
+
+def _attention(plan: Plan, p: Program) -> Plan:
+    return replace(plan, attention=attention.find(plan.units, {b.name: b for b in plan.buffers}))
+
+
+def _colsums(plan: Plan, p: Program) -> Plan:
+    skip = {i for a in plan.attention if "cpu" in a.fused for i in a.members}  # (the CPU's attention call sums them)
+    return replace(plan, units=tuple(with_colsums(list(plan.units), {b.name: b for b in plan.buffers}, skip)))
+
+
+def _decide(plan: Plan, p: Program) -> Plan:
+    return decide(plan, lambda u: _locate(p, u))
+
+
+def _verify(plan: Plan, p: Program) -> Plan:
+    return verify(plan)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[Plan, Program], Plan]
+    does: str
+
+
+# The planner: each pass takes the plan as the passes before it left it (`coconetc show --format
+# plan --after NAME` prints it there).
+PASSES: tuple[Pass, ...] = (
+    Pass("lower", _lower, "the program's stages in execution order as units and buffers: the schedule's fusions, "
+                          "overlaps and fed gathers, chains of row-wise stages, in-place updates"),
+    Pass("epilogues", _epilogues, "each GEMM or row-wise call with the loop after it that it can carry as an epilogue"),
+    Pass("attention", _attention, "the causal attention chains that run as one call"),
+    Pass("colsums", _colsums, "each column sum carried by the loop that writes its operand"),
+    Pass("decide", _decide, "every target's decisions: where each buffer lives, reshapes as views, each unit's "
+                            "strategy, and what each target does not implement"),
+    Pass("verify", _verify, "the checks every plan passes (each buffer written before it is read, ...)"),
+)
+PASS_NAMES = tuple(x.name for x in PASSES)
+
+
+def plan_program(p: Program, schedule: str = "default", target: str | None = None, after: str | None = None) -> Plan:
+    """The execution plan of a (scheduled) program, with every target's decisions: PASSES in
+    order. target: also require that this target implements all of it (else a PlanError at each
+    directive it does not implement). after: the plan as the pass of this name left it (no
+    later pass run, and target not checked)."""
+    if after is not None and after not in PASS_NAMES:
+        raise ValueError(f"plan_program: no pass {after!r}; the passes: {', '.join(PASS_NAMES)}")
+    plan = Plan(p.name, schedule, (), (), ())
+    for x in PASSES:
+        plan = x.run(plan, p)
+        if x.name == after:
+            return plan
     if target is not None and plan.unsupported(target):
         raise PlanError(diagnostics(plan, target))
     return plan
@@ -163,11 +220,8 @@ class _Planner:
         for g in groups:
             self._group(g)
         self._write_back()
-        self.out = with_epilogues(self.out, self.buffers)
-        calls = attention.find(self.out, self.buffers)
-        self.out = with_colsums(self.out, self.buffers, {i for a in calls if "cpu" in a.fused for i in a.members})
         params = tuple(q.name for q in p.params if not q.scalar) + tuple(q.name for q in p.params if q.scalar)
-        return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out), attention=calls)
+        return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out))
 
     def _groups(self) -> list:
         """What runs as one piece: an overlap, a fused collective (with the members that wait
