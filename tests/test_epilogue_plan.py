@@ -22,14 +22,14 @@ def _plan(src: str, prog: str = "p", sched: str = "default"):
 
 
 def _epilogues(plan) -> dict[str, str]:
-    return {u.dst: u.epilogue for u in plan.units if isinstance(u, Library) and u.op.startswith("matmul")}
+    return {u.dst: str(u.epilogue or "") for u in plan.units if isinstance(u, Library) and u.op.startswith("matmul")}
 
 
 def _why(plan, dst: str) -> str:
     units = plan.units
     i = next(i for i, u in enumerate(units) if isinstance(u, Library) and u.dst == dst)
     epi, why = epilogue_of(units, i, {b.name: b for b in plan.buffers})
-    assert epi == ""
+    assert epi is None
     return why
 
 
@@ -76,12 +76,12 @@ def test_an_output_product_is_fused_on_the_cpu_only():
     epilogue there; cuBLASLt writes the loop's value only, so CUDA runs the loop after the GEMM."""
     plan = _plan(HEAD + "    y = a + b\n    return y, a\n}\n")
     u = _matmul(plan)
-    assert (u.epilogue, u.fused) == ("bias(b) -> y", ("cpu",))
+    assert (str(u.epilogue), u.fused) == ("bias(b) -> y", ("cpu",))
     assert "epilogue bias(b) -> y (cpu: fused in the GEMM; cuda: the loop runs after the GEMM)" in show(plan)
     from coconetc.sourcefile import with_grads
     mod = with_grads(load_source((REPO / "examples" / "gpt_block.ccn").read_text(), "gpt_block.ccn"), ["gpt_block"])
     u = _matmul(mod.plans[("gpt_block_fwd", "overlapped")], "hm")
-    assert (u.epilogue, u.fused) == ("gelu_bias(b_fc) -> h", ("cpu",))
+    assert (str(u.epilogue), u.fused) == ("gelu_bias(b_fc) -> h", ("cpu",))
 
 
 def test_a_bias_held_unlike_the_columns_is_no_epilogue():
@@ -116,7 +116,7 @@ def test_a_batched_matmul_carries_its_epilogue_fused_nowhere():
     src = ("program p(x: f32[B, M, K] replicated, w: f32[B, K, N] replicated, b: f32[N] replicated) {\n"
            "    a = matmul(x, w)\n    y = a + b\n    return y\n}\n")
     u = _matmul(_plan(src))
-    assert (u.epilogue, u.fused) == ("bias(b) -> y", ())
+    assert (str(u.epilogue), u.fused) == ("bias(b) -> y", ())
     assert "(cpu: the loop runs after the GEMM; cuda: the loop runs after the GEMM)" in show(_plan(src))
 
 
@@ -127,10 +127,10 @@ def test_the_bias_gradient_is_the_weight_gradients_epilogue_on_cuda():
     from coconetc.sourcefile import with_grads
     mod = with_grads(load_source((REPO / "examples" / "tp_mlp.ccn").read_text(), "examples/tp_mlp.ccn"), ["tp_mlp"])
     plan = plan_program(mod.programs["tp_mlp_grad"], "default")
-    tn = {u.dst: (u.epilogue, u.fused) for u in plan.units if isinstance(u, Library) and u.op == "matmul_tn"}
+    tn = {u.dst: (str(u.epilogue), u.fused) for u in plan.units if isinstance(u, Library) and u.op == "matmul_tn"}
     assert tn == {"d_w2": ("bgrad(d_y) -> d_b2", ("cuda",)), "d_w1": ("bgrad(g_h_add) -> d_b1", ("cuda",))}
     assert "epilogue bgrad(d_y) -> d_b2 (cpu: the sum_lead runs on its own; cuda: fused in the GEMM)" in show(plan)
-    units = [replace(u, epilogue="", fused=()) if isinstance(u, Library) else u for u in plan.units]  # as planned
+    units = [replace(u, epilogue=None, fused=()) if isinstance(u, Library) else u for u in plan.units]  # as planned
     buffers = {b.name: b for b in plan.buffers}
     i = next(k for k, u in enumerate(units) if isinstance(u, Library) and u.dst == "d_b1")
     j = bgrad_of(units, i, buffers)
@@ -155,7 +155,7 @@ def test_cpu_epilogue_of_an_output_product_matches_the_interpreter(tmp_path):
     rows of N = 2100 columns, three blocks."""
     src = BLOCKED.replace("    p = matmul(h, w2)\n    y = p + r\n    return y", "    return h, a")
     plan = _plan(src, "q")
-    assert (_matmul(plan).epilogue, _matmul(plan).fused) == ("gelu_bias(b) -> h", ("cpu",))
+    assert (str(_matmul(plan).epilogue), _matmul(plan).fused) == ("gelu_bias(b) -> h", ("cpu",))
     _run_blocks(tmp_path, src)
 
 
@@ -199,13 +199,14 @@ def test_layernorm_dx_carries_the_residual_added_after_it():
     from coconetc.sourcefile import with_grads
     plan = with_grads(load_source(LN, "p.ccn"), ["p"]).plans[("p_grad", "default")]
     u = _matmul(plan, "t0_d_x")
-    assert (u.op, u.epilogue, u.fused) == ("layernorm_dx", "residual(d_y) -> d_x", ("cpu", "cuda"))
+    assert (u.op, str(u.epilogue), u.fused) == ("layernorm_dx", "residual(d_y) -> d_x", ("cpu", "cuda"))
     assert "epilogue residual(d_y) -> d_x (cpu: fused in the call; cuda: fused in the call)" in show(plan)
-    units = [replace(v, epilogue="", fused=()) if isinstance(v, Library) else v for v in plan.units]
+    units = [replace(v, epilogue=None, fused=()) if isinstance(v, Library) else v for v in plan.units]
     i = units.index(next(v for v in units if isinstance(v, Library) and v.dst == "t0_d_x"))
     loop = units[i + 1]
     assert isinstance(loop, Loop) and isinstance(loop.items[0].expr, Op)
     buffers = {b.name: b for b in plan.buffers}
-    assert epilogue_of(units, i, buffers) == ("residual(d_y) -> d_x", "")
+    epi, why = epilogue_of(units, i, buffers)
+    assert (str(epi), why) == ("residual(d_y) -> d_x", "")
     units[i + 1] = replace(loop, items=(Item("d_x", replace(loop.items[0].expr, op="mul")),))
-    assert epilogue_of(units, i, buffers) == ("", "the loop computes d_x from 't0_d_x' as no residual")
+    assert epilogue_of(units, i, buffers) == (None, "the loop computes d_x from 't0_d_x' as no residual")

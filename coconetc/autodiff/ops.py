@@ -254,9 +254,11 @@ _CONV = (ops.Arg("stride", "int", default=1, minimum=1), ops.Arg("padding", "int
 
 DEFS = (
     ops.OpDef("matmul_nt", "tensor", ops.AB, _nt, ops.NEVER, numpy=_np_nt, fusable=False,
-              cost=ops.Cost(2, inner=True), doc="a @ b^T (matmul's input gradient)"),
+              cost=ops.Cost(2, inner=True), doc="a @ b^T (matmul's input gradient)",
+              traits=frozenset({ops.GEMM, ops.OVERLAPPED})),
     ops.OpDef("matmul_tn", "tensor", ops.AB, _tn, ops.NEVER, numpy=_np_tn, fusable=False,
-              cost=ops.Cost(2, inner=True), doc="a^T @ b over all leading dims (matmul's weight gradient)"),
+              cost=ops.Cost(2, inner=True), doc="a^T @ b over all leading dims (matmul's weight gradient)",
+              traits=frozenset({ops.GEMM})),
     ops.OpDef("sum_lead", "tensor", (ops.Arg("x"), ops.Arg("n", "int", minimum=1)), _sum_lead,
               ops.NEVER, numpy=_np_sum_lead, doc="the sum over the first n dims"),
     ops.OpDef("sum_keep", "tensor", (ops.Arg("x"), ops.Arg("dim", "int")), _sum_keep, ops.NEVER,
@@ -269,7 +271,8 @@ DEFS = (
               doc="the mean over the last dim, kept as a dim of size 1"),
     ops.OpDef("layernorm_dx", "tensor", (ops.Arg("x"), ops.Arg("gamma"), ops.Arg("g"), ops.Arg("eps", literal="f32")),
               _ln_dx, ops.ROWS, numpy=_np_ln_dx, cost=ops.Cost(14, 1),
-              doc="layernorm's input gradient (g: the result's cotangent), per row over the last dim"),
+              doc="layernorm's input gradient (g: the result's cotangent), per row over the last dim",
+              traits=frozenset({ops.ROWWISE, ops.RESIDUAL})),
     ops.OpDef("layernorm_dgamma", "tensor", (ops.Arg("x"), ops.Arg("g"), ops.Arg("eps", literal="f32")),
               _ln_dgamma, ops.NEVER, numpy=_np_ln_dgamma, fusable=False, cost=ops.Cost(10, inner=True),
               doc="layernorm's gamma gradient: g * xhat summed over every leading dim"),

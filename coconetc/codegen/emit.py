@@ -9,12 +9,12 @@ import math
 from collections.abc import Callable
 
 from coconetc.ir import ops
+from coconetc.ir.dtypes import TABLE
 from coconetc.ir.nodes import Const, Expr, Op, Ref
 from coconetc.ir.types import REDUCE_OPS
 
-CTYPE = {"f16": "coconet::half", "bf16": "coconet::bfloat16", "f32": "float", "f64": "double",
-         "i32": "int32_t", "i64": "int64_t", "bool": "bool"}
-COMPUTE = {**CTYPE, "f16": "float", "bf16": "float"}
+CTYPE = {n: d.ctype for n, d in TABLE.items()}
+COMPUTE = {n: TABLE[d.compute].ctype for n, d in TABLE.items()}
 REDUCE_OP = {o: f"coconet::Op::{o}" for o in REDUCE_OPS}
 
 Load = Callable[[Ref], str]

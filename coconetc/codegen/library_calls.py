@@ -18,15 +18,12 @@ from dataclasses import replace
 from coconetc.codegen.base import Writer, cdim, prod
 from coconetc.codegen.emit import literal
 from coconetc.ir.typerules import reshape_slices
-from coconetc.plan.epilogue import parts
 from coconetc.plan.units import GatherMatmul, Library, Loop, Overlap
 
 OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last",
        "layernorm_dx", "layernorm_dgamma", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
 
-GEMM = ("matmul", "matmul_nt", "matmul_tn")
-"""Those that are a GEMM (cuBLAS on CUDA: they take the stream, the others the call's context)."""
 
 
 def call_args(w: Writer, u: Library) -> list[str]:
@@ -80,7 +77,8 @@ def call_args(w: Writer, u: Library) -> list[str]:
 def rowwise_args(w: Writer, u: Library, loop: Loop) -> list[str]:
     """call_args of a row-wise call (layernorm_dx) whose plan fuses its residual epilogue
     (plan/epilogue.py): the loop's value as the result, and the residual after the sizes."""
-    _, operand, value = parts(u.epilogue)
+    assert u.epilogue is not None
+    operand, value = u.epilogue.operand, u.epilogue.value
     args = call_args(w, u)
     at = args.index(f"v_{u.dst}")
     return [*args[:at], f"v_{value}", *args[at + 1:], f"v_{operand}"]

@@ -13,7 +13,7 @@ from coconetc.frontend import syntax
 from coconetc.frontend.defs import Scope, bind, bind_def, builtin_of, without_site
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
-from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, dim_symbols, scalar_type, sliced
+from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REPLICATED, TType, dim_symbols, scalar_type, sliced
 from coconetc.ir.ops import type_op
 from coconetc.ir.typerules import TypeErr
 
@@ -249,7 +249,7 @@ def _literals_as_f64(args: tuple) -> tuple:
     if not any(isinstance(a, ir.Expr) and not a.type.weak and a.type.dtype == "f64" for a in args):
         return args
     return tuple(ir.Const(a.value, replace(a.type, dtype="f64"), a.span)
-                 if isinstance(a, ir.Const) and a.type.weak and a.type.dtype in ("f16", "bf16", "f32") else a
+                 if isinstance(a, ir.Const) and a.type.weak and a.type.dtype in FLOATS and a.type.dtype != "f64" else a
                  for a in args)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from coconetc.ir.dtypes import TABLE
 from coconetc.ir.storage import STORAGE
 from coconetc.ir.slices import slice_range, take_slice
 
@@ -12,9 +13,8 @@ __all__ = ["COMPUTE", "STORAGE", "TOLERANCE", "global_index", "slice_range", "ta
 
 # f16 and bf16 compute in f32 inside a stage and are rounded when the stage is stored
 # (as PyTorch's "opmath"); the generated code does the same.
-COMPUTE = {**STORAGE, "f16": np.dtype(np.float32), "bf16": np.dtype(np.float32)}
-TOLERANCE = {"f16": (2e-2, 2e-2), "bf16": (6e-2, 6e-2), "f32": (2e-4, 1e-5),
-             "f64": (1e-9, 1e-12), "i32": (0, 0), "i64": (0, 0)}
+COMPUTE = {n: STORAGE[d.compute] for n, d in TABLE.items()}
+TOLERANCE = {n: d.tolerance for n, d in TABLE.items() if d.tolerance is not None}
 
 
 def global_index(gshape: tuple[int, ...], local_shape: tuple[int, ...], offsets: tuple[int, ...]) -> np.ndarray:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from coconetc.ir.dtypes import TABLE
+
 INT64_MAX = 2**63 - 1
-ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
+ITEMSIZE = {n: d.itemsize for n, d in TABLE.items()}
 
 
 def too_big(dims: Iterable[int], dtype: str) -> str | None:

@@ -84,7 +84,6 @@ class Fusion:
     span: Span = field(default=NOWHERE, compare=False)
 
 
-OVERLAP_GEMMS = ("matmul", "matmul_nt")
 """The operations an overlap can cut into chunks (plan/units.py Overlap.gemm)."""
 
 
@@ -160,7 +159,7 @@ class Program:
             return ()
         out = {x for _, x in self.outputs + self.updates}
         found = tuple(self.stage(n) for n in names)
-        ok = all(t is not None and isinstance(t.expr, Op) and t.expr.op in OVERLAP_GEMMS and t.type == s.type
+        ok = all(t is not None and isinstance(t.expr, Op) and ops.has(t.expr.op, ops.OVERLAPPED) and t.type == s.type
                  and t.expr.args[1].type.ndim == 2 and t.name not in out
                  and [u.name for u in self.users(t.name)] == [name] for t in found)
         return tuple(t for t in found if t is not None) if ok else ()

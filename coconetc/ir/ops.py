@@ -170,6 +170,7 @@ class OpDef:
     extern: Extern | None = None  # declared by `extern op` in a .ccn file
     combine: str = "sum"  # a reduction: how the ranks' partial results combine (sum | max | min)
     written: str = ""  # the name a program writes, when not `name` (amax: max(x)); see called()
+    traits: frozenset[str] = frozenset()  # what the planner and the backends know it as (TRAITS)
 
     @property
     def called(self) -> bool:
@@ -281,6 +282,20 @@ def registered(d: OpDef) -> Iterator[OpDef]:
         yield d
     finally:
         unregister(d.name)
+
+
+# An operation's traits (OpDef.traits): what the planner and the backends treat alike.
+GEMM = "gemm"  # C = A B (or with a transposed operand): a BLAS GEMM, with epilogues (plan/epilogue.py)
+OVERLAPPED = "overlapped"  # a GEMM an overlap can cut into chunks of rows (ir/nodes.py Program.sum_terms)
+ROWWISE = "rowwise"  # one row of the last dim at a time: a fused collective's row-wise phase (plan/fusion_legality.py)
+RESIDUAL = "residual"  # a row-wise call that adds a residual to the row it writes (its epilogue)
+TRAITS = (GEMM, OVERLAPPED, ROWWISE, RESIDUAL)
+
+
+def has(name: str, trait: str) -> bool:
+    """Whether operation NAME (registered; any other: False) has TRAIT."""
+    d = _scoped(name) or REGISTRY.get(name)
+    return d is not None and trait in d.traits
 
 
 def get(name: str) -> OpDef:
@@ -419,9 +434,9 @@ register(OpDef("amin", "reduction", X, tr.extreme, PARTIAL, numpy=ref.min_partia
                written="min"))
 
 register(OpDef("matmul", "tensor", AB, tr.matmul, NEVER, numpy=np.matmul, fusable=False,
-               cost=Cost(2, inner=True)))
+               cost=Cost(2, inner=True), traits=frozenset({GEMM, OVERLAPPED})))
 register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg("eps", literal="f32")),
-               tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1)))
+               tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1), traits=frozenset({ROWWISE})))
 register(OpDef("softmax", "tensor", X, tr.rowwise, ROWS, numpy=ref.softmax, fusable=False, cost=Cost(4, 1),
                doc="over the last dim, max subtracted; a fully masked (all -inf) row is zeros"))
 register(OpDef("transpose", "tensor", (Arg("x"), Arg("dim0", "int"), Arg("dim1", "int")), tr.transpose, NEVER,

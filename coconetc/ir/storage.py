@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from coconetc.ir.dtypes import TABLE
+
 
 def _bfloat16() -> np.dtype:
     import ml_dtypes
@@ -22,10 +24,8 @@ class _Storage(Mapping[str, np.dtype]):
     _LAZY = {"bf16": _bfloat16}
 
     def __init__(self) -> None:
-        self._known: dict[str, np.dtype] = {
-            "f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
-            "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "bool": np.dtype(bool)}
-        self._order = ("f16", "bf16", "f32", "f64", "i32", "i64", "bool")
+        self._known: dict[str, np.dtype] = {n: np.dtype(d.numpy) for n, d in TABLE.items() if n not in self._LAZY}
+        self._order = tuple(TABLE)
 
     def __getitem__(self, name: str) -> np.dtype:
         try:

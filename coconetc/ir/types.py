@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("f16", "bf16", "f32", "f64", "i32", "i64")
-FLOATS = ("f16", "bf16", "f32", "f64")
-BITS = {"f16": 16, "bf16": 16, "f32": 32, "f64": 64, "i32": 32, "i64": 64, "bool": 8}
+from coconetc.ir.dtypes import BITS, DTYPES, FLOATS
+
+__all__ = ["BITS", "DTYPES", "FLOATS"]  # (and the rest of this module's names)
 REDUCE_OPS = ("sum", "avg", "prod", "max", "min")
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from coconetc.interp.interpreter import Result, run
 from coconetc.interp.values import STORAGE, TOLERANCE, take_slice
+from coconetc.ir.dtypes import FLOATS
 from coconetc.ir.nodes import Program
 
 _ULPS = 16  # of the largest element, allowed on every element (_diff)
@@ -59,8 +60,8 @@ def _loosest(p: Program) -> str | None:
     """The least precise float dtype a program computes with: a result stored as f32 but
     computed from f16 values (reduced in another order) carries f16's error."""
     dts = {s.type.dtype for s in p.stages} | {q.type.dtype for q in p.params if not q.scalar}
-    floats = [d for d in ("bf16", "f16", "f32", "f64") if d in dts]
-    return floats[0] if floats else None
+    floats = [d for d in FLOATS if d in dts]
+    return max(floats, key=lambda d: TOLERANCE[d][0]) if floats else None
 
 
 def _diff(what: str, want: np.ndarray, got: np.ndarray | None, loosest: str | None = None) -> list[str]:

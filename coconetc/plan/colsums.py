@@ -55,7 +55,7 @@ def _takes(units: list[Unit], j: int, gt, buffers: dict[str, Buffer], skip: set[
     if loop.type != gt or loop.seg_dst or j in skip:
         return False
     prev = units[j - 1] if j else None
-    if isinstance(prev, Library) and prev.epilogue and "cpu" in prev.fused and not prev.epilogue.startswith("bgrad("):
+    if isinstance(prev, Library) and prev.epilogue and "cpu" in prev.fused and prev.epilogue.kind != "bgrad":
         return False  # rendered inside its GEMM's blocks (codegen/cpu/loops.py render_epilogue)
     from coconetc.ir.expr import refs
     read = {n for it in loop.items for n in refs(it.expr)}
@@ -71,7 +71,7 @@ def _writes(u: Unit, name: str) -> bool:
 def with_colsums(units: list[Unit], buffers: dict[str, Buffer], skip: set[int]) -> list[Unit]:
     """UNITS with each sum_lead the rule accepts carried by its loop (Loop.colsums)."""
     out = list(units)
-    gemm = {u.epilogue.split(" -> ")[1] for u in units if isinstance(u, Library) and u.epilogue.startswith("bgrad(")
+    gemm = {u.epilogue.value for u in units if isinstance(u, Library) and u.epilogue and u.epilogue.kind == "bgrad"
             and "cuda" in u.fused}  # sums a GEMM's BGRADA epilogue produces on cuda
     for i in range(len(out)):
         j = colsum_of(out, i, buffers, skip)

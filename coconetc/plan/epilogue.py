@@ -14,7 +14,7 @@ The rule, in one place (epilogue_of):
     gelu(R + b), gelu(b + R)                                                   -> gelu_bias(b)
     R + r, r + R           r of R's type                                       -> residual(r)
     R * s, s * R           s a scalar (a parameter, a let or a literal)        -> scale(s)
-The epilogue reads "KIND(OPERAND) -> ITEM", ITEM the loop's value.
+The epilogue (units.Epilogue) is KIND of OPERAND, its value ITEM, the loop's value.
 Where the epilogue is fused is decided here too (fused_on, Library.fused), and the renderers
 only read it:
 - cpu: a matmul whose right operand is 2-d (one GEMM over the rows of every leading dim of
@@ -47,22 +47,27 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from coconetc.ir import ops as registry
 from coconetc.ir.nodes import Const, Expr, Op, Ref, refs
 from coconetc.ir.printer import expr as printed
 from coconetc.ir.types import TType
-from coconetc.plan.units import Buffer, Library, Loop, Unit, _touches
+from coconetc.ir.dtypes import TABLE
+from coconetc.plan.units import Buffer, Epilogue, Library, Loop, Unit, _touches
 
-GEMMS = ("matmul", "matmul_nt", "matmul_tn")
-ROWWISE = ("layernorm_dx",)  # the row-wise calls that take the residual epilogue
+
+
+def carries(op: str) -> bool:
+    """Whether a Library unit of OP may carry an epilogue: a GEMM, or a row-wise call that
+    adds a residual (ops.RESIDUAL: layernorm_dx)."""
+    return registry.has(op, registry.GEMM) or registry.has(op, registry.RESIDUAL)
+
+
+def residual_only(op: str) -> bool:
+    """A row-wise call whose only epilogue is the residual (the call writes the loop's value)."""
+    return registry.has(op, registry.RESIDUAL)
+
 BACKENDS = ("cpu", "cuda")
-CUDA_DTYPES = ("f32", "f16", "bf16")  # the cuBLAS path's types with a 32-bit float compute
-
-
-def parts(epilogue: str) -> tuple[str, str, str]:
-    """(KIND, OPERAND, VALUE) of an epilogue "KIND(OPERAND) -> VALUE"."""
-    head, value = epilogue.split(" -> ")
-    kind, operand = head.rstrip(")").split("(", 1)
-    return kind, operand, value
+CUDA_DTYPES = tuple(n for n, d in TABLE.items() if d.is_float and d.compute == "f32")  # the cuBLAS path's types
 
 
 def fused_loop(units: tuple[Unit, ...] | list[Unit], u: Library) -> Loop | None:
@@ -76,34 +81,37 @@ def fused_loop(units: tuple[Unit, ...] | list[Unit], u: Library) -> Loop | None:
     return loop
 
 
-def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str, Buffer]) -> tuple[str, str]:
-    """The epilogue units[i] carries ("" when none) and, when none, why not."""
+def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int,
+                buffers: dict[str, Buffer]) -> tuple[Epilogue | None, str]:
+    """The epilogue units[i] carries (None when none) and, when none, why not."""
     u = units[i]
-    if not (isinstance(u, Library) and u.op in GEMMS + ROWWISE):
-        return "", "not a matmul"
+    if not (isinstance(u, Library) and carries(u.op)):
+        return None, "not a matmul"
     r = u.dst
     if buffers[r].kind != "scratch" and not (buffers[r].kind == "output" and u.op == "matmul"):
-        return "", f"'{r}' is not a scratch value but a {buffers[r].kind}"
+        return None, f"'{r}' is not a scratch value but a {buffers[r].kind}"
     if i + 1 >= len(units) or not isinstance(units[i + 1], Loop):
-        return "", f"the unit after '{r}' is not a pointwise loop"
+        return None, f"the unit after '{r}' is not a pointwise loop"
     loop = units[i + 1]
     assert isinstance(loop, Loop)
     t = buffers[r].type
     if loop.type != t:
-        return "", f"the loop after '{r}' runs over {loop.type}, not over {t}"
+        return None, f"the loop after '{r}' runs over {loop.type}, not over {t}"
     if len(loop.items) != 1 or not loop.items[0].store:
-        return "", f"the loop after '{r}' computes {len(loop.items)} values"
+        return None, f"the loop after '{r}' computes {len(loop.items)} values"
     if any(_touches(v, {r}) for j, v in enumerate(units) if j not in (i, i + 1)):
-        return "", f"'{r}' is read elsewhere"
+        return None, f"'{r}' is read elsewhere"
     item = loop.items[0]
-    kind = _match(item.expr, r, t, buffers)
+    found = _match(item.expr, r, t, buffers)
+    if residual_only(u.op) and (found is None or found[0] != "residual"):
+        return None, f"the loop computes {item.name} from '{r}' as no residual"
+    if found is None:
+        return None, f"the loop computes {item.name} from '{r}' as none of bias, gelu_bias, residual, scale"
+    kind, operand = found
     for let in loop.lets:  # a scalar operand the loop reads as a let: name what it holds
-        kind = kind.replace(f"({let.name})", f"({printed(let.expr)})")
-    if u.op in ROWWISE and not kind.startswith("residual("):
-        return "", f"the loop computes {item.name} from '{r}' as no residual"
-    if not kind:
-        return "", f"the loop computes {item.name} from '{r}' as none of bias, gelu_bias, residual, scale"
-    return f"{kind} -> {item.name}", ""
+        if operand == let.name:
+            operand = printed(let.expr)
+    return Epilogue(kind, operand, item.name), ""
 
 
 def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
@@ -111,9 +119,9 @@ def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
     collective, none)."""
     out = list(units)
     for i, u in enumerate(units):
-        if isinstance(u, Library) and u.op in GEMMS + ROWWISE:
+        if isinstance(u, Library) and carries(u.op):
             epi, _ = epilogue_of(units, i, buffers)
-            if epi:
+            if epi is not None:
                 loop = units[i + 1]
                 assert isinstance(loop, Loop)
                 out[i] = replace(u, epilogue=epi, fused=fused_on(u, epi, loop, buffers))
@@ -122,7 +130,7 @@ def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
         if j >= 0:
             m = out[j]
             assert isinstance(m, Library) and isinstance(u, Library)
-            out[j] = replace(m, epilogue=f"bgrad({u.args[0]}) -> {u.dst}", fused=("cuda",))
+            out[j] = replace(m, epilogue=Epilogue("bgrad", u.args[0], u.dst), fused=("cuda",))
     return out
 
 
@@ -139,7 +147,7 @@ def bgrad_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> int:
         return -1
     for j in range(i + 1, len(units)):
         v = units[j]
-        if isinstance(v, Library) and v.op == "matmul_tn" and v.args[1] == g and not v.epilogue \
+        if isinstance(v, Library) and v.op == "matmul_tn" and v.args[1] == g and v.epilogue is None \
                 and buffers[v.args[0]].kind != "segments" and buffers[v.dst].type.dtype == gt.dtype:
             return j
         if _touches(v, {db}) or _writes(v, g):
@@ -154,10 +162,10 @@ def _writes(u: Unit, name: str) -> bool:
     return _touches(u, {name})
 
 
-def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:
+def fused_on(u: Library, epilogue: Epilogue, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:
     """The backends (BACKENDS) that apply EPILOGUE, the epilogue of matmul U, in its GEMM (the
     rule in the module's docstring); LOOP: the loop after U."""
-    if u.op in ROWWISE:
+    if residual_only(u.op):
         item = loop.items[0]
         segs = any(buffers[n].kind == "segments" for n in refs(item.expr) if n != item.name and n in buffers)
         out = buffers[item.name].kind in ("scratch", "output")  # (not an alias of x or g's memory)
@@ -167,7 +175,7 @@ def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) 
     item = loop.items[0]
     if any(buffers[n].kind == "segments" for n in refs(item.expr) if n != item.name and n in buffers):
         return ()
-    kind, operand, _ = parts(epilogue)
+    kind, operand = epilogue.kind, epilogue.operand
     on = ["cpu"]
     cuda_kind = kind in ("bias", "residual") or kind == "scale" and (
         _number(operand) or operand in buffers and buffers[operand].kind == "scalar")
@@ -212,26 +220,27 @@ def _bias(o: Expr | None, t: TType, buffers: dict[str, Buffer]) -> str:
     return o.name
 
 
-def _match(e: Expr, r: str, t: TType, buffers: dict[str, Buffer]) -> str:
+def _match(e: Expr, r: str, t: TType, buffers: dict[str, Buffer]) -> tuple[str, str] | None:
+    """(KIND, OPERAND) of the epilogue E computes from R, or None."""
     if isinstance(e, Op) and e.op == "gelu" and len(e.args) == 1 and isinstance(e.args[0], Op) \
             and e.args[0].op == "add":
         b = _bias(_operand(e.args[0], r), t, buffers)
-        return f"gelu_bias({b})" if b else ""
+        return ("gelu_bias", b) if b else None
     if not isinstance(e, Op):
-        return ""
+        return None
     o = _operand(e, r)
     if o is None:
-        return ""
+        return None
     if e.op == "add":
         b = _bias(o, t, buffers)
         if b:
-            return f"bias({b})"
+            return "bias", b
         if isinstance(o, Ref) and o.name in buffers and buffers[o.name].type == t:
-            return f"residual({o.name})"
-        return ""
+            return "residual", o.name
+        return None
     if e.op == "mul":
         if isinstance(o, Const):
-            return f"scale({o.value})"
+            return "scale", str(o.value)
         if isinstance(o, Ref) and o.type.ndim == 0:
-            return f"scale({o.name})"
-    return ""
+            return "scale", o.name
+    return None

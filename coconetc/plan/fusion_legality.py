@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, CompileError, Span
+from coconetc.ir import ops
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, TType
 from coconetc.plan.units import GatherChunks
@@ -229,7 +230,6 @@ def _arg_name(s: Stage) -> str:
 
 # The row-wise operations a fused collective's row-wise phase holds: over the last dim, with
 # chunks of whole rows each row is computed as soon as the chunk's rows are.
-ROW_OPS = ("layernorm", "layernorm_dx")
 
 
 def row_op(e) -> Op | None:
@@ -303,7 +303,7 @@ def _why_not_chunkable(p: Program, s: Stage, first: Stage, inside: dict, scatter
         if isinstance(n, Op) and n.op not in POINTWISE:
             if not {r.name for r in walk(n) if isinstance(r, Ref)} & (members | set(inside)):
                 continue  # reads nothing of the fusion: computed before the fused collective
-            if n.op in ROW_OPS and not rows_ok:
+            if ops.has(n.op, ops.ROWWISE) and not rows_ok:
                 return f"a {n.op} inside a fusion whose chunks are not whole rows"
             return f"{n.op} needs every chunk first"
         if isinstance(n, Ref) and n.name in scattered and s.type.ndim != 1:
@@ -386,7 +386,7 @@ def unfed_matmul(p: Program, fusion: Fusion, into: dict[str, Overlap]) -> None:
     colls = [stage_of(p, n) for n in fusion.stages if stage_of(p, n).kind == "collective"]
     src = op_of(colls[0]).args[0]
     made = p.stage(src.name) if isinstance(src, Ref) else None
-    if made is not None and isinstance(made.expr, Op) and made.expr.op in ("matmul", "matmul_nt"):
+    if made is not None and isinstance(made.expr, Op) and ops.has(made.expr.op, ops.OVERLAPPED):
         how = (f"overlap the fusion with the matmul that makes its input, with the same chunks: "
                f"overlap({made.name}, {fusion.name}, chunks={o.chunks})")
     else:

@@ -475,8 +475,9 @@ class _Planner:
         elif registry.get(e.op).kind == "tensor":  # a runtime function of every backend (ops.py KINDS)
             attrs: tuple = tuple((a.name, e.attr(a.name, a.default)) for a in registry.get(e.op).settings
                                  if a.kind == "int")  # conv2d's stride and padding, sum_lead's n, ...
-            if e.op in ("layernorm", "layernorm_dx", "layernorm_dgamma") and isinstance(e.args[-1], Const):
-                attrs = (("eps", e.args[-1].value),)  # a literal eps (else the last operand names it)
+            last = registry.get(e.op).params[-1]
+            if last.literal is not None and isinstance(e.args[-1], Const):  # layernorm's eps, written as a number
+                attrs = ((last.name, e.args[-1].value),)  # (else the last operand names it)
             if e.op == "reshape":  # the line its run-time check names (a temporary's unit has none)
                 attrs = (("line", _line(e.span)),)
             self.out.append(Library(dst, e.op, tuple(a for a in args if a is not None), attrs, line))

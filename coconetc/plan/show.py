@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from coconetc.ir import ops, printer
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import BACKENDS, GEMMS, parts
+from coconetc.plan.epilogue import BACKENDS
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
 from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
@@ -87,12 +87,12 @@ def _vectors(width: int) -> str:
 def _fused_on(plan: Plan, u: Library) -> str:
     """Where a matmul's epilogue is fused (Library.fused, plan/epilogue.py); a bias gradient not
     fused in the GEMM may be summed by the loop computing its input (plan/colsums.py)."""
-    call = "GEMM" if u.op in GEMMS else "call"  # (a row-wise call's residual: layernorm_dx)
+    call = "GEMM" if ops.has(u.op, ops.GEMM) else "call"  # (a row-wise call's residual: layernorm_dx)
 
     def apart(b: str) -> str:
-        if not u.epilogue.startswith("bgrad("):
+        if u.epilogue is None or u.epilogue.kind != "bgrad":
             return f"the loop runs after the {call}"
-        return "summed by the loop computing it" if parts(u.epilogue)[2] in fused_sums(plan.units, b) \
+        return "summed by the loop computing it" if u.epilogue.value in fused_sums(plan.units, b) \
             else "the sum_lead runs on its own"
     return "; ".join(f"{b}: {f'fused in the {call}' if b in u.fused else apart(b)}" for b in BACKENDS)
 
@@ -100,8 +100,8 @@ def _fused_on(plan: Plan, u: Library) -> str:
 def _colsum_on(plan: Plan, c: ColSum) -> str:
     """Where a loop's column sums are added (Loop.colsums, plan/colsums.py): in the loop, in a
     GEMM's bgrad epilogue, or by the sum_lead on its own."""
-    gemm = {b for u in plan.units if isinstance(u, Library) and u.epilogue.startswith("bgrad(")
-            and u.epilogue.endswith(f"-> {c.dst}") for b in u.fused}
+    gemm = {b for u in plan.units if isinstance(u, Library) and u.epilogue and u.epilogue.kind == "bgrad"
+            and u.epilogue.value == c.dst for b in u.fused}
 
     def where(b: str) -> str:
         return "in this loop" if b in c.on else "in the GEMM's bgrad epilogue" if b in gemm else "the sum_lead on its own"

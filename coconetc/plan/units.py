@@ -105,12 +105,26 @@ class Reduce:
 
 
 @dataclass(frozen=True)
+class Epilogue:
+    """What a GEMM (or a row-wise call) applies to the value it writes before storing it
+    (plan/epilogue.py): KIND (bias, gelu_bias, residual, scale, bgrad) of OPERAND (a buffer, or a
+    scalar's text), the finished value VALUE. Printed as "KIND(OPERAND) -> VALUE"."""
+
+    kind: str
+    operand: str
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.operand}) -> {self.value}"
+
+
+@dataclass(frozen=True)
 class Library:
     """A library operation (an operation of kind "tensor", ir/ops.py KINDS): matmul (GEMM), layernorm, conv2d, and a derived
     program's matmul_nt, matmul_tn, sum_lead, sum_keep, mean_last, conv2d_dx, conv2d_dw; or an
     extern operation. args: value names, or a Let name for a scalar operand; attrs: the
     operation's settings (integer parameters: stride, padding, n, dim; layernorm's literal eps).
-    epilogue: a matmul's fused consumer, "KIND(OPERAND) -> VALUE" (plan/epilogue.py), or "";
+    epilogue: a matmul's fused consumer (plan/epilogue.py), or None;
     fused: the backends ("cpu", "cuda") whose code applies that epilogue in the GEMM (the loop
     after it then renders as nothing); on the others the loop runs after the GEMM."""
 
@@ -119,7 +133,7 @@ class Library:
     args: tuple[str, ...]
     attrs: tuple[tuple[str, object], ...] = ()
     line: int = 0
-    epilogue: str = ""
+    epilogue: Epilogue | None = None
     fused: tuple[str, ...] = ()
 
 

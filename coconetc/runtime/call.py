@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 
 from coconetc.ir.arguments import bind_sizes, describe, is_torch
+from coconetc.ir.dtypes import TABLE
 from coconetc.ir.nodes import Program
 from coconetc.ir.storage import STORAGE
 from coconetc.runtime import agree
 
 ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
 HEAD = ("module", "function", "schedule", "groups", "communicator size")
-PACK = {"f16": "<e", "f32": "<f", "f64": "<d", "i32": "<i", "i64": "<q"}  # a scalar's bits
+PACK = {n: d.pack for n, d in TABLE.items() if d.pack}  # a scalar's bits
 ENV_CHECK_REPLICATED = "COCONET_CHECK_REPLICATED"  # 1: compare replicated tensors' values across ranks
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 

@@ -15,12 +15,12 @@ import numpy as np
 
 from coconetc.ir.storage import STORAGE
 from coconetc.ir.slices import slice_range
+from coconetc.ir.dtypes import TABLE
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 
 FRAMEWORKS = ("numpy", "torch")
-TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-                "i32": "int32", "i64": "int64", "bool": "bool"}
+TORCH_DTYPES = {n: d.torch for n, d in TABLE.items()}
 
 
 def checked_shape(shape: int | tuple[int, ...], dtype: str, what: str) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from coconetc.errors import NOWHERE, ScheduleError
 from coconetc.ir import ops
-from coconetc.ir.nodes import OVERLAP_GEMMS, POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.schedule.directives import Fuse, OverlapD, Reorder, span_of
 from coconetc.schedule.primitives import _fresh, _stage, gather_names, reorder, reorder_gathers
@@ -361,7 +361,7 @@ def overlap(p: Program, d: OverlapD) -> Program:
     if prod is not None and isinstance(prod.expr, Op) and prod.expr.op in GATHERS:
         return _overlap_into(p, d, prod)
     terms = p.summed_gemms(d.producer)
-    if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op in OVERLAP_GEMMS or terms):
+    if prod is None or not (isinstance(prod.expr, Op) and ops.has(prod.expr.op, ops.OVERLAPPED) or terms):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
                             "the producer must be a matmul stage (or a derived program's matmul_nt), "
                             "a sum of such stages that nothing else reads, "
@@ -409,7 +409,7 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
     reduce-scatter's) feeds the matmul chunk for chunk with the fused collective's own overlap
     (plan/planner.py)."""
     cons = p.stage(d.consumer)
-    if cons is None or not (isinstance(cons.expr, Op) and cons.expr.op in OVERLAP_GEMMS):
+    if cons is None or not (isinstance(cons.expr, Op) and ops.has(cons.expr.op, ops.OVERLAPPED)):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
                             f"the consumer of the {coll.top.op} '{coll.name}' must be a matmul stage "
                             f"(or a derived program's matmul_nt) that reads it: give the matmul a stage of "

@@ -33,14 +33,14 @@ from typing import Any
 import torch
 
 from coconetc.ir.arguments import check_param
+from coconetc.ir.dtypes import TABLE
 from coconetc.ir.nodes import Program
 from coconetc.ir.slices import slice_range
 from coconetc.ir.types import dim_symbols, eval_dim
 from coconetc.plan.label import parse
 
 NAMESPACE = "coconet"
-TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
-                "f64": torch.float64, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+TORCH_DTYPES = {n: getattr(torch, d.torch) for n, d in TABLE.items()}
 
 
 @dataclass

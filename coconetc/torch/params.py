@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from coconetc.ir import dtypes
+
 
 _LOADED: dict[tuple, Any] = {}
 
@@ -129,7 +131,7 @@ def bind(what: str, names: list[str], args: tuple, kwargs: dict[str, Any]) -> di
     return {**bound, **kwargs}
 
 
-FLOATS = ("f16", "bf16", "f32", "f64")
+FLOATS = dtypes.FLOATS
 
 
 def check_devices(what: str, backend: str, tensors: dict[str, torch.Tensor]) -> None:

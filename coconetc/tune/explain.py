@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from coconetc.ir import ops
 from coconetc.plan.label import DEFAULT, parse
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
@@ -394,7 +395,6 @@ def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ra
     it launches and calls, its bytes and flops (plan/cost.py), its bound at BW bytes/s and PEAKS
     flop/s by dtype."""
     from coconetc.codegen.naming import function_name
-    from coconetc.codegen.library_calls import GEMM
     from coconetc.plan.units import Collective, Copy, Fused, GatherMatmul, Library, Overlap, Reduce, Require
     name = parse(label).name
     plan = mod.plans[(program, name)]
@@ -409,7 +409,7 @@ def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ra
         text = lines[marks[i]:marks[i + 1] if i + 1 < len(marks) else len(lines)]
         names = [n for start, n in lambdas if at[i] <= start < at[i + 1]]
         libs: list[str] = []
-        if isinstance(u, (Overlap, GatherMatmul)) or (isinstance(u, Library) and u.op in GEMM):
+        if isinstance(u, (Overlap, GatherMatmul)) or (isinstance(u, Library) and ops.has(u.op, ops.GEMM)):
             libs.append("cublas")
         elif isinstance(u, Library) or isinstance(u, Reduce):
             libs.append("runtime")

@@ -25,7 +25,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import ROWWISE, fused_loop
+from coconetc.plan.epilogue import fused_loop, residual_only
 from coconetc.ir.rng_keys import site_key
 from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
@@ -61,7 +61,7 @@ class CpuRenderer:
     def unit(self, u: Unit) -> None:
         if u is self.fused_loop:  # rendered by its matmul or its row-wise call (epilogue)
             self.fused_loop = None
-            by = self.fused_by if self.fused_by in ROWWISE else "matmul"
+            by = self.fused_by if residual_only(self.fused_by) else "matmul"
             self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the {by} above")
             return
         if id(u) in self.attention:
@@ -199,7 +199,7 @@ class CpuRenderer:
         loop = fused_loop(self.w.plan.units, u)
         if loop is None:
             return False
-        if u.op in ROWWISE:  # residual(r): the call writes the loop's value, r added to each row
+        if residual_only(u.op):  # residual(r): the call writes the loop's value, r added to each row
             self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.rowwise_args(self.w, u, loop))});  "
                         f"// {u.dst}, then {u.epilogue}")
             self.fused_loop, self.fused_by = loop, u.op

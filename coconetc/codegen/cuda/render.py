@@ -28,7 +28,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import ROWWISE, fused_loop, parts
+from coconetc.plan.epilogue import fused_loop, residual_only
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan, Reduce,
                                  Require, Unit)
 
@@ -49,8 +49,8 @@ class CudaRenderer:
         self.fused_loop: Loop | None = None
         self.fused_by = ""  # the operation whose call renders fused_loop
         # the sum_leads a later matmul_tn computes as its bias-gradient epilogue (plan/epilogue.py)
-        self.bgrad_sums = {parts(u.epilogue)[2] for u in plan.units if isinstance(u, Library)
-                           and u.epilogue.startswith("bgrad(") and "cuda" in u.fused}
+        self.bgrad_sums = {u.epilogue.value for u in plan.units if isinstance(u, Library) and u.epilogue
+                           and u.epilogue.kind == "bgrad" and "cuda" in u.fused}
         self.colsums = fused_sums(plan.units, "cuda")  # the sum_leads loops compute (plan/colsums.py)
 
     def render(self) -> Function:
@@ -65,7 +65,7 @@ class CudaRenderer:
         self.w.emit(f"coconet::cuda::reshape<{ct}>({', '.join([args[1], *args[1:]])}, ctx);  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
-        if u is self.fused_loop and self.fused_by in ROWWISE:  # rendered by its row-wise call (epilogue)
+        if u is self.fused_loop and residual_only(self.fused_by):  # rendered by its row-wise call (epilogue)
             self.fused_loop = None
             self.w.emit(f"// kernel {', '.join(i.name for i in u.items)}: the epilogue of the {self.fused_by} above")
             return
@@ -162,7 +162,7 @@ class CudaRenderer:
         if self._epilogue(u, ct):
             return
         if u.op in library_calls.OPS:  # runtime.cuh, grad.cuh
-            last = "stream" if u.op in library_calls.GEMM else "ctx"
+            last = "stream" if ops.has(u.op, ops.GEMM) else "ctx"
             self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))}, {last});")
             return
         assert u.op == "layernorm", u.op
@@ -191,22 +191,23 @@ class CudaRenderer:
             return True
         if "cuda" not in u.fused:
             return False
-        if u.epilogue.startswith("bgrad("):  # C = A^T B, and the column sums of B into the sum_lead's value
+        assert u.epilogue is not None
+        if u.epilogue.kind == "bgrad":  # C = A^T B, and the column sums of B into the sum_lead's value
             args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
-            db = parts(u.epilogue)[2]
+            db = u.epilogue.value
             self.w.emit(f"coconet::cuda::matmul_tn_bgrad<{ct}>({', '.join(args)}, v_{db}, ctx);  "
                         f"// {u.dst} = matmul_tn, then {u.epilogue}")
             return True
         loop = fused_loop(self.w.plan.units, u)
         if loop is None:
             return False
-        if u.op in ROWWISE:  # residual(r): the call writes the loop's value, r added to each row
+        if residual_only(u.op):  # residual(r): the call writes the loop's value, r added to each row
             args = library_calls.rowwise_args(self.w, u, loop)
             self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join([*args[:-1], 'ctx', args[-1]])});  "
                         f"// {u.dst}, then {u.epilogue}")
             self.fused_loop, self.fused_by = loop, u.op
             return True
-        kind, operand, _ = parts(u.epilogue)
+        kind, operand = u.epilogue.kind, u.epilogue.operand
         bias, c, alpha = "nullptr", "nullptr", "1.0f"
         if kind == "bias":
             bias = f"v_{operand}"
