@@ -51,7 +51,7 @@ def ranks_run(ranks: int, argv: list[str], timeout: float = 600,
     if not env:
         return rank_pool.completed(ranks, [str(a) for a in argv], timeout)
     return subprocess.run(mpiexec.command(ranks, [sys.executable, *map(str, argv)]),
-                          env={**mpiexec.environment(ranks), **env}, capture_output=True, text=True,
+                          env={**rank_pool.environment(ranks), **env}, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -93,6 +93,32 @@ def gathered_report(comm, label: str, why: str) -> bool:
     errs = [x for x in whys if x]
     print(f"FAIL {label}: {' | '.join(errs)}" if errs else f"OK {label}", flush=True)
     return bool(errs)
+
+
+def traced_calls(events: list[dict], program: str, schedules: Sequence[str], plans, sizes: dict[str, int],
+                 ranks: int) -> list[tuple[dict, str, list[dict]]]:
+    """In a trace worker: the trace's complete events (EVENTS) hold a call of PROGRAM under each
+    of SCHEDULES twice, in order, and each call's unit events are its plan's units (PLANS:
+    (program, schedule) -> Plan) by name, with the cost model's flops and bytes at SIZES on
+    RANKS ranks, positive durations, inside the call. Returns each call: (its event, its
+    schedule, the other events inside it)."""
+    from coconetc.plan.cost import cost
+    from coconetc.plan.units import title
+    made = [e for e in events if e["cat"] == "call"]
+    assert [e["name"].split(".")[-1] for e in made] == [f"{program}[{s}]" for s in schedules for _ in range(2)], made
+    out = []
+    for e in made:
+        sched = e["name"].split("[")[1][:-1]
+        plan = plans[(program, sched)]
+        inside = [u for u in events if u["cat"] != "call" and e["ts"] <= u["ts"] <= e["ts"] + e["dur"]]
+        units = [u for u in inside if u["cat"] == "unit"]
+        assert [u["name"] for u in units] == [title(u) for u in plan.units], (sched, units)
+        for u, (_, c) in zip(units, cost(plan, sizes, ranks).parts):
+            assert u["args"]["flops"] == c.flops and u["args"]["bytes_moved"] == c.moved, (u, c)
+            assert u["args"]["predicted_us"] > 0 and u["dur"] > 0, u
+            assert u["ts"] + u["dur"] <= e["ts"] + e["dur"] + 1, (u, e)
+        out.append((e, sched, inside))
+    return out
 
 
 def symmetric_window_bytes(staged: int, most: int, out: int) -> int:

@@ -13,7 +13,8 @@ it is when the job is sent, MPI's own variables kept), and the ranks' environmen
 sys.path and working directory are restored after it.
 
 A pool serves the callers whose COCONET_* variables are the ones it started with (the compiled
-runtime reads some once): a test that sets one gets a pool of its own. A job that fails on any
+runtime reads some once); a test that sets one besides POOLED gets ranks of its own for each
+job, started by an mpiexec of their own, as before pools. A job that fails on any
 rank (an exception, a non-zero exit, a rank aborting the job, or the timeout) ends the pool, as
 it ends an `mpiexec` job: no rank is left in a collective of a failed job, and the next job
 starts a fresh pool. Tests of what mpiexec itself does keep their own launch."""
@@ -54,7 +55,7 @@ class Pool:
         self.listener.settimeout(START_TIMEOUT)
         self.log = open(self.dir / "pool.log", "w")
         self.proc = subprocess.Popen(mpiexec.command(ranks, [sys.executable, str(RANK), path]),
-                                     env=mpiexec.environment(ranks), stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=environment(ranks), stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.conns: list[socket.socket | None] = [None] * ranks
         try:
@@ -81,7 +82,7 @@ class Pool:
         self.jobs += 1
         out = self.dir / f"job{self.jobs}"
         line = json.dumps({"argv": [str(a) for a in argv], "out": str(out), "cwd": os.getcwd(),
-                           "env": mpiexec.environment(self.ranks)}) + "\n"
+                           "env": environment(self.ranks)}) + "\n"
         for c in self.conns:
             assert c is not None
             c.sendall(line.encode())
@@ -155,11 +156,22 @@ class Pool:
             pass
 
 
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+
+
 def _read(p: Path) -> str:
     try:
         return p.read_text(errors="replace")
     except OSError:
         return ""
+
+
+def environment(ranks: int) -> dict[str, str]:
+    """The ranks' environment: mpiexec's, with waiting ranks yielding their core (the tests run
+    two pytest workers, each starting ranks, on as many cores: always more ranks than cores; a
+    rank spinning in MPI would slow the emulation's stream threads beside it)."""
+    return {**mpiexec.environment(ranks), "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 def _own() -> tuple[tuple[str, str], ...]:
@@ -169,6 +181,14 @@ def _own() -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("COCONET_")))
 
 
+# The variables a pool may be started with besides the session's: where modules are cached, and
+# whether CUDA modules are the host emulation's. Any other (an injected fault, a timeout, a
+# simulated node count) gets ranks of its own for each job, as a test that sets one expects a
+# process in which nothing ran before.
+POOLED = ("COCONET_CACHE", "COCONET_CUDA_EMULATE")
+_BASE = {k: v for k, v in _own() if k not in POOLED}
+
+
 _pools: dict[tuple[int, tuple[tuple[str, str], ...]], Pool] = {}
 
 
@@ -176,6 +196,13 @@ def run(ranks: int, argv: list[str], timeout: float = 600) -> tuple[int, str, st
     """`python ARGV` on the pool of RANKS ranks started in the caller's COCONET_* variables
     (started now if there is none, or if the last job ended it): (exit code, stdout, stderr)."""
     key = ranks, _own()
+    if {k: v for k, v in key[1] if k not in POOLED} != _BASE:
+        try:
+            res = subprocess.run(mpiexec.command(ranks, [sys.executable, *argv]), env=environment(ranks),
+                                 capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            return 124, _text(err.stdout), _text(err.stderr)
+        return res.returncode, res.stdout, res.stderr
     pool = _pools.get(key)
     if pool is None or not pool.alive() or None in pool.conns:
         if pool is not None:

@@ -16,7 +16,7 @@ from coconetc.errors import CompileError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.ccn"))
-CONTRACT = Path("/work/shared/LANGUAGE.md")
+PROGRAMS = Path(__file__).with_name("programs")
 
 
 def src(text: str) -> str:
@@ -453,33 +453,18 @@ def test_example_loads(path: Path) -> None:
     assert mod.programs
 
 
-def _contract_blocks() -> dict[str, list[str]]:
-    """The ``` code blocks of LANGUAGE.md, by the number of the section they are in."""
-    text = CONTRACT.read_text()
-    blocks: dict[str, list[str]] = {}
-    for part in re.split(r"^## ", text, flags=re.M)[1:]:
-        number = part.split(".", 1)[0]
-        blocks[number] = re.findall(r"^```[a-z]*\n(.*?)^```", part, flags=re.M | re.S)
-    return blocks
-
-
-needs_contract = pytest.mark.skipif(not CONTRACT.exists(), reason="the shared language contract is not here")
-
-
-@needs_contract
-def test_contract_section_1_and_5_load() -> None:
-    """Section 5's schedule is for section 1's sgd program."""
-    blocks = _contract_blocks()
-    assert blocks["1"] and blocks["5"]
-    mod = load_source("\n".join(blocks["1"] + blocks["5"]), "LANGUAGE.md")
+def test_the_languages_first_example_and_its_schedule_load() -> None:
+    """The language's sgd program with its fused schedule, as written (tests/programs)."""
+    path = PROGRAMS / "language_sgd.ccn"
+    mod = load_source(path.read_text(), str(path))
     assert "fused" in mod.schedules["sgd"]
 
 
-@needs_contract
-def test_contract_section_6_loads() -> None:
-    blocks = _contract_blocks()
-    assert blocks["6"]
-    mod = load_source("\n".join(blocks["6"]), "LANGUAGE.md")
+def test_the_languages_examples_load() -> None:
+    """The examples that must work, each exactly as written (tests/programs): Adam with two
+    schedules, LAMB, Megatron's row-parallel MLP output, a pipeline stage."""
+    path = PROGRAMS / "language_examples.ccn"
+    mod = load_source(path.read_text(), str(path))
     assert {"adam", "lamb", "mlp_out", "stage"} <= set(mod.programs)
     assert set(mod.schedules["adam"]) == {"rs_c_ag", "zero"}
     assert set(mod.schedules["mlp_out"]) == {"overlapped"}

@@ -17,11 +17,10 @@ import numpy as np
 from mpi4py import MPI
 
 import coconetc
-from coconetc.plan.cost import cost
 from coconetc.plan.units import title
 from coconetc.runtime.cuda import load_emulated
 from coconetc.runtime.trace import STREAM_TRACK
-from rank_checks import gathered_report
+from rank_checks import gathered_report, traced_calls
 
 comm = MPI.COMM_WORLD
 R, r = comm.Get_size(), comm.Get_rank()
@@ -55,19 +54,10 @@ def units_timed_on_the_streams() -> None:
     assert doc["otherData"]["rank"] == r and doc["otherData"]["dropped_events"] == 0, doc["otherData"]
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     named = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    made = [e for e in events if e["cat"] == "call"]
-    assert [e["name"].split(".")[-1] for e in made] == [f"row_parallel[{s}]" for s in SCHEDULES for _ in range(2)], made
-    for e in made:
-        sched = e["name"].split("[")[1][:-1]
-        plan = mod.source_module.plans[("row_parallel", sched)]
-        parts = cost(plan, {"B": B, "S": S, "K": K, "H": H}, R).parts
-        inside = [u for u in events if u["cat"] != "call" and e["ts"] <= u["ts"] <= e["ts"] + e["dur"]]
-        units = [u for u in inside if u["cat"] == "unit"]
-        assert [u["name"] for u in units] == [title(u) for u in plan.units], (sched, units)
-        for u, (_, c) in zip(units, parts):
-            assert u["args"]["flops"] == c.flops and u["args"]["bytes_moved"] == c.moved, (u, c)
-            assert u["args"]["predicted_us"] > 0 and u["dur"] > 0, u
-            assert u["ts"] + u["dur"] <= e["ts"] + e["dur"] + 1, (u, e)  # the emulated call synchronizes
+    plans = mod.source_module.plans
+    for e, sched, inside in traced_calls(events, "row_parallel", SCHEDULES, plans, {"B": B, "S": S, "K": K, "H": H}, R):
+        plan = plans[("row_parallel", sched)]
+        units = [u for u in inside if u["cat"] == "unit"]  # (inside the call: the emulated call synchronizes)
         call_stream = {u["tid"] for u in units}
         assert len(call_stream) == 1 and min(call_stream) >= STREAM_TRACK and e["tid"] < STREAM_TRACK, (units, e)
         assert all(t in named for t in {p["tid"] for p in inside}), named

@@ -18,9 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import coconetc
-from coconetc.plan.units import title
-from coconetc.plan.cost import cost
-from rank_checks import gathered_report
+from rank_checks import gathered_report, traced_calls
 
 comm = MPI.COMM_WORLD
 R, r = comm.Get_size(), comm.Get_rank()
@@ -69,18 +67,9 @@ def units_as_planned() -> None:
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert doc["otherData"]["rank"] == r and doc["otherData"]["dropped_events"] == 0, doc["otherData"]
     assert all(e["pid"] == r for e in doc["traceEvents"])
-    made = [e for e in events if e["cat"] == "call"]
-    assert [e["name"].split(".")[-1] for e in made] == [f"tp_mlp[{s}]" for s in SCHEDULES for _ in range(2)], made
-    for e in made:
-        sched = e["name"].split("[")[1][:-1]
-        plan = mod.source_module.plans[("tp_mlp", sched)]
-        parts = cost(plan, {"B": B, "S": S, "H": H, "F": F}, R).parts
-        inside = [u for u in events if u["cat"] == "unit" and e["ts"] <= u["ts"] <= e["ts"] + e["dur"]]
-        assert [u["name"] for u in inside] == [title(u) for u in plan.units], (sched, inside)
-        for u, (_, c) in zip(inside, parts):
-            assert u["args"]["flops"] == c.flops and u["args"]["bytes_moved"] == c.moved, (u, c)
-            assert u["ts"] + u["dur"] <= e["ts"] + e["dur"] + 1, (u, e)
-        pieces = [p for p in events if p["cat"] == "piece" and e["ts"] <= p["ts"] <= e["ts"] + e["dur"]]
+    for _, sched, inside in traced_calls(events, "tp_mlp", SCHEDULES, mod.source_module.plans,
+                                         {"B": B, "S": S, "H": H, "F": F}, R):
+        pieces = [p for p in inside if p["cat"] == "piece"]
         if sched == "overlapped":  # overlap(p, s, chunks=2): each chunk produced and started; a wait
             for what in ("overlap: produce the chunk", "overlap: start the chunk's communication"):  # for one
                 assert sorted(p["args"]["chunk"] for p in pieces if p["name"] == what) == [0, 1], (what, pieces)
