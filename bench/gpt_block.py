@@ -197,6 +197,29 @@ def attention(q, k, v, scale: float, sdpa: bool):
     return torch.matmul(torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1), v)
 
 
+def all_reduce_grads(c: Collectives, params) -> None:
+    """The gradients of PARAMS summed over the ranks in one flat buffer, as Megatron all-reduces
+    the sequence-parallel parameters' gradients after the backward."""
+    import torch
+    flat = torch.cat([w.grad.reshape(-1) for w in params])
+    c.all_reduce(flat)
+    off = 0
+    for w in params:
+        w.grad.copy_(flat[off:off + w.numel()].view_as(w))
+        off += w.numel()
+
+
+def schedule_pairs(a: argparse.Namespace, prog: str, scheds: list[str], grads: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """The (forward, grad) schedules to time of PROG: each chosen forward schedule with the
+    derived program's default; and each `grad(p)` schedule with the forward schedule of its
+    name, else with each chosen forward schedule."""
+    chosen = scheds if a.schedules == "all" else [s for s in a.schedules.split(",") if s in scheds]
+    pairs = [(s, "default") for s in chosen]
+    for g in grads.get(prog, []) if a.grad_schedules else []:
+        pairs += [(g, g)] if g in scheds else [(s, g) for s in chosen]
+    return pairs
+
+
 def megatron_block(c: Collectives, sequence: bool, hd: int, sdpa: bool):
     """block(x, **w): this rank's part of the block in PyTorch. Tensor parallel: x [B, S, H]
     whole; sequence parallel: x [S/R, B, H], this rank's rows in Megatron's layout."""
@@ -362,7 +385,6 @@ class Variants:
         self.checks[par, label] = check
 
     def megatron(self, sdpa: bool) -> None:
-        import torch
         for how in ("gloo", "mpi4py"):
             if sdpa and how != "gloo":
                 continue
@@ -376,13 +398,7 @@ class Variants:
             blk = megatron_block(col, True, self.hd, sdpa)
 
             def reduce_replicated(ws=ws, col=col):  # Megatron: the sequence-parallel params' grads
-                flat = torch.cat([ws[k].grad.reshape(-1) for k in REPLICATED])
-                col.all_reduce(flat)
-                off = 0
-                for k in REPLICATED:
-                    n = ws[k].numel()
-                    ws[k].grad.copy_(flat[off:off + n].view_as(ws[k]))
-                    off += n
+                all_reduce_grads(col, [ws[k] for k in REPLICATED])
             self.add("sp", f"Megatron SP, torch + {how}{suffix}", lambda blk=blk, x=x, ws=ws: blk(x, **ws), x,
                      self.sbh[1], ws, after=reduce_replicated, sbh=True)
 
@@ -421,11 +437,7 @@ class Variants:
         for prog, scheds in progs.items():
             par = "sp" if prog == SP else "tp"
             x0, dy = self.sp if prog == SP else self.tp
-            chosen = scheds if self.a.schedules == "all" else [s for s in self.a.schedules.split(",") if s in scheds]
-            pairs = [(s, "default") for s in chosen]
-            for g in grads.get(prog, []) if self.a.grad_schedules else []:
-                pairs += [(g, g)] if g in scheds else [(s, g) for s in chosen]
-            for s, g in pairs:
+            for s, g in schedule_pairs(self.a, prog, scheds, grads):
                 fn = ct.function(GPT_BLOCK, prog, schedule=s, grad_schedule=g, comm=self.comm)
                 x, ws = self.leaves(x0)
                 label = f"coconet {prog} {s}" + (f", grad {g}" if g != "default" else "")
@@ -543,11 +555,7 @@ class ModelVariants:
                 y = self.layer(x=x.contiguous(), scale=scale, pdrop=0.0, seed=1)
                 return gather_sequence(y, a.s, comm=comm) if self.sp and self.last else y
         for prog, scheds in progs.items():
-            chosen = scheds if a.schedules == "all" else [s for s in a.schedules.split(",") if s in scheds]
-            pairs = [(s, "default") for s in chosen]
-            for g in grads.get(prog, []) if a.grad_schedules else []:
-                pairs += [(g, g)] if g in scheds else [(s, g) for s in chosen]
-            for s, g in pairs:
+            for s, g in schedule_pairs(a, prog, scheds, grads):
                 label = f"coconet {prog} {s}" + (f", grad {g}" if g != "default" else "")
                 self.add("sp" if prog == SP else "tp", label,
                          lambda i, blk, prog=prog, s=s, g=g: Layer(i, blk, prog, s, g))
@@ -558,7 +566,6 @@ class ModelVariants:
         from coconetc.torch.gpt import block_parameters
         comm, a, L = self.comm, self.a, self.a.layers
         col = Collectives(comm, "gloo")
-        fns = conjugates(col)
         lo, hi = slice_range(a.s, self.R, comm.Get_rank())
 
         class Scatter(torch.autograd.Function):  # [B, S, H] -> this rank's rows as [S/R, B, H]
@@ -592,20 +599,13 @@ class ModelVariants:
                     x = Scatter.apply(x)
                 y = self.fn(x, **self.w)
                 return Gather.apply(y) if self.sequence and self.last else y
-        del fns
         for sdpa in (False, True):
             suffix = ", SDPA attention" if sdpa else ""
             self.add("tp", f"Megatron TP, torch + gloo{suffix}", lambda i, blk, sdpa=sdpa: Layer(i, blk, False, sdpa))
             key = ("sp", f"Megatron SP, torch + gloo{suffix}")
 
-            def reduce_replicated(key=key):  # Megatron: the sequence-parallel params' grads, one flat buffer
-                ws = [b.w[k] for b in self.models[key].transformer.h for k in REPLICATED]
-                flat = torch.cat([w.grad.reshape(-1) for w in ws])
-                col.all_reduce(flat)
-                off = 0
-                for w in ws:
-                    w.grad.copy_(flat[off:off + w.numel()].view_as(w))
-                    off += w.numel()
+            def reduce_replicated(key=key):  # Megatron: the sequence-parallel params' grads
+                all_reduce_grads(col, [b.w[k] for b in self.models[key].transformer.h for k in REPLICATED])
             self.add(*key, lambda i, blk, sdpa=sdpa: Layer(i, blk, True, sdpa), after=reduce_replicated)
 
     def check(self) -> None:
