@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from coconetc.launch import mpiexec
 from coconetc.launch.mpiexec import run_python
 
 import rank_pool
@@ -48,11 +47,11 @@ def ranks_run(ranks: int, argv: list[str], timeout: float = 600,
     """`python ARGV` on R ranks, answered as subprocess.run(capture_output=True, text=True)
     answers: on the process's pool of R ranks, or with ENV (added to the environment the ranks
     start in: the runtime reads some variables once) on ranks of its own."""
+    args = [str(a) for a in argv]
     if not env:
-        return rank_pool.completed(ranks, [str(a) for a in argv], timeout)
-    return subprocess.run(mpiexec.command(ranks, [sys.executable, *map(str, argv)]),
-                          env={**rank_pool.environment(ranks), **env}, capture_output=True, text=True,
-                          timeout=timeout)
+        return rank_pool.completed(ranks, args, timeout)
+    rc, out, err = rank_pool.fresh(ranks, args, timeout, env)
+    return subprocess.CompletedProcess([sys.executable, *args], rc, out, err)
 
 
 RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")

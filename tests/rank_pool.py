@@ -197,12 +197,7 @@ def run(ranks: int, argv: list[str], timeout: float = 600) -> tuple[int, str, st
     (started now if there is none, or if the last job ended it): (exit code, stdout, stderr)."""
     key = ranks, _own()
     if {k: v for k, v in key[1] if k not in POOLED} != _BASE:
-        try:
-            res = subprocess.run(mpiexec.command(ranks, [sys.executable, *argv]), env=environment(ranks),
-                                 capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
-        except subprocess.TimeoutExpired as err:
-            return 124, _text(err.stdout), _text(err.stderr)
-        return res.returncode, res.stdout, res.stderr
+        return fresh(ranks, argv, timeout)
     pool = _pools.get(key)
     if pool is None or not pool.alive() or None in pool.conns:
         if pool is not None:
@@ -212,6 +207,17 @@ def run(ranks: int, argv: list[str], timeout: float = 600) -> tuple[int, str, st
     if rc:
         _pools.pop(key, None)
     return rc, out, err
+
+
+def fresh(ranks: int, argv: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`python ARGV` on ranks of its own (an mpiexec of its own, ENV added to the environment they
+    start in): (exit code, stdout, stderr); 124 after TIMEOUT seconds."""
+    try:
+        res = subprocess.run(mpiexec.command(ranks, [sys.executable, *argv]), env={**environment(ranks), **(env or {})},
+                             capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        return 124, _text(err.stdout), _text(err.stderr)
+    return res.returncode, res.stdout, res.stderr
 
 
 def completed(ranks: int, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
