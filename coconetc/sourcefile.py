@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from coconetc.autodiff import vjp
-from coconetc.autodiff.saved import split
+from coconetc.autodiff.saved import bwd_name, split, split_input_weight
 from coconetc.errors import CompileError, Diagnostic
 from coconetc.frontend import syntax
 from coconetc.frontend import externs
@@ -153,36 +153,51 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     """A copy of mod with, for each program p of `programs` (names), its derived program
     `<p>_grad` and that program cut at the forward's saved values (autodiff/saved.py):
     `<p>_fwd` (p returning the saved values too) and `<p>_bwd` (the backward reading them),
-    each with the schedules of p (of grad(p)) that apply to it unchanged."""
+    each with the schedules of p (of grad(p)) that apply to it unchanged. An entry
+    `p:x1,x2` also cuts `<p>_bwd` at the gradients of p's parameters x1, x2 (the inputs a
+    pipeline stage sends gradients back for): `<p>_bwd_input` and `<p>_bwd_weight`
+    (autodiff/saved.py, split_input_weight), with grad(p)'s schedules that apply."""
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))
-    for p in programs:
+    for entry in programs:
+        p, _, inputs = entry.partition(":")
         mod.program(p)  # a KeyError naming the file's programs
-        _split(new, p, _derive(new, p))
+        grad = _derive(new, p)
+        _split(new, p, grad)
+        if inputs:
+            cut = split_input_weight(new.programs[p], new.programs[bwd_name(p)],
+                                     tuple(x.strip() for x in inputs.split(",")))
+            for ir in (cut.input_grad, cut.weight_grad):
+                _add_derived(new, ir, p, grad)
     return new
 
 
 def _split(mod: SourceFile, program: str, grad: str) -> None:
     cut = split(mod.programs[program], mod.programs[grad])
     for ir, base in ((cut.forward, program), (cut.backward, grad)):
-        if ir.name in mod.programs:
-            if mod.derived.get(ir.name) == program:
-                continue
-            raise CompileError.at(mod.programs[ir.name].span, f"program '{ir.name}' is defined in the file: "
-                                  f"the derived programs of {program} need the name")
-        mod.plans[(ir.name, DEFAULT)] = plan_program(ir)
-        mod.programs[ir.name] = ir
-        mod.derived[ir.name] = program
-        mod.schedules[ir.name] = {}
-        for sname, sched in mod.schedules[base].items():
-            if sched.ir is None:
-                continue
-            try:  # the same directives; one that names a value this program does not have fails
-                again = apply_all(ir, sched.directives)
-                mod.plans[(ir.name, sname)] = plan_program(again, sname)
-            except CompileError:
-                continue
-            mod.schedules[ir.name][sname] = ScheduleIR(sname, ir.name, sched.directives, again)
+        _add_derived(mod, ir, program, base)
+
+
+def _add_derived(mod: SourceFile, ir: Program, program: str, base: str) -> None:
+    """Add IR, derived from PROGRAM, with the schedules of BASE that apply to it unchanged."""
+    if ir.name in mod.programs:
+        if mod.derived.get(ir.name) == program:
+            return
+        raise CompileError.at(mod.programs[ir.name].span, f"program '{ir.name}' is defined in the file: "
+                              f"the derived programs of {program} need the name")
+    mod.plans[(ir.name, DEFAULT)] = plan_program(ir)
+    mod.programs[ir.name] = ir
+    mod.derived[ir.name] = program
+    mod.schedules[ir.name] = {}
+    for sname, sched in mod.schedules[base].items():
+        if sched.ir is None:
+            continue
+        try:  # the same directives; one that names a value this program does not have fails
+            again = apply_all(ir, sched.directives)
+            mod.plans[(ir.name, sname)] = plan_program(again, sname)
+        except CompileError:
+            continue
+        mod.schedules[ir.name][sname] = ScheduleIR(sname, ir.name, sched.directives, again)
 
 
 def _collect(errors: list[Diagnostic], fn, *args) -> None:

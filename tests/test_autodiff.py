@@ -585,3 +585,40 @@ def test_pairing_cuts_only_where_both_schedules_apply() -> None:
     whole = pairing(full.programs, alone, "mlp", g, "default", "only_grad", "default")
     assert (whole.forward, whole.backward, whole.saved, whole.cut) == ("mlp", g, (), False)
     assert set(whole.recomputed) == {"h", *both.recomputed}
+
+
+@pytest.mark.parametrize("src, name, sizes, ranks", [
+    (MLP, "mlp", {"B": 2, "S": 3, "H": 4, "F": 6}, 2),
+    (SEQUENCE_PARALLEL, "sp", {"B": 2, "S": 4, "H": 3, "F": 4}, 2),
+    ((EXAMPLES / "gpt_block.ccn").read_text().replace("f32", "f64"), "gpt_block_sp",
+     {"B": 2, "S": 4, "H": 4, "NH": 2, "HD": 2, "F": 8}, 2)])
+def test_backward_split_at_the_inputs(src: str, name: str, sizes: dict[str, int], ranks: int) -> None:
+    """autodiff/saved.py split_input_weight (a pipeline's zero-bubble B and W): <p>_bwd_input
+    returns x's gradient and what the weights' gradients read, <p>_bwd_weight the rest; run one
+    after the other they return <p>_bwd's gradients, and no stage runs in both."""
+    from coconetc.autodiff.saved import input_name, weight_name
+    from coconetc.sourcefile import with_grads
+    mod = with_grads(load_source(src), [f"{name}:x"])
+    fwd, bwd = mod.programs[f"{name}_fwd"], mod.programs[f"{name}_bwd"]
+    b, w = mod.programs[input_name(name)], mod.programs[weight_name(name)]
+    assert [o for o, _ in b.outputs][0] == "d_x" and not {s.name for s in b.stages} & {s.name for s in w.stages}
+    assert len(b.stages) + len(w.stages) == len(bwd.stages)
+    rng = np.random.default_rng(1)
+    values = {q.name: float(rng.uniform(0.0, 0.5)) if q.name == "pdrop" else int(rng.integers(0, 99))
+              if q.type.dtype.startswith("i") else float(rng.uniform(0.5, 2.0)) if q.scalar
+              else _random(q.type, sizes, ranks, rng, False) for q in fwd.params}
+    saved = run(fwd, _inputs(fwd, values, ranks))
+    for q in bwd.params[len(fwd.params):]:  # a cotangent for each output
+        if q.name.startswith("d_"):
+            values[q.name] = _random(q.type, sizes, ranks, rng, False)
+    per_rank = [{q.name: saved[r].outputs[f"saved_{q.name}"] if f"saved_{q.name}" in saved[r].outputs
+                 else _per_rank(q.type, values[q.name], ranks, r, q.scalar) for q in bwd.params}
+                for r in range(ranks)]
+    whole = run(bwd, per_rank)
+    first = run(b, per_rank)
+    then = run(w, [{**args, **{q.name: first[r].outputs[f"kept_{q.name}"] for q in w.params[len(bwd.params):]}}
+                   for r, args in enumerate(per_rank)])
+    for r in range(ranks):
+        got = {**first[r].outputs, **then[r].outputs}
+        for pub in whole[r].outputs:
+            np.testing.assert_array_equal(got[pub], whole[r].outputs[pub], err_msg=f"{pub} on rank {r}")

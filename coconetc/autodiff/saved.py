@@ -109,3 +109,56 @@ def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: s
     again = set(recomputed(g, p))
     return Pairing(fwd if cut else program, bwd if cut else grad, saved,
                    tuple(s.name for s in back.stages if s.name in again), cut)
+
+
+@dataclass(frozen=True)
+class InputWeight:
+    """The backward `<p>_bwd` cut in two for a pipeline's zero-bubble orders (Qi et al. 2023):
+    `input_grad` computes the gradients of INPUTS (the activations a pipeline stage sends back)
+    and `weight_grad` the rest (the weights'), later, from what input_grad kept.
+
+    - `<p>_bwd_input`: `<p>_bwd`'s parameters; returns the gradients of the inputs, then the
+      values the weight gradients read that it computed on the way (`kept_<v>`: cotangents
+      such as the gradient of a matmul's output, and forward values the backward recomputed);
+    - `<p>_bwd_weight`: `<p>_bwd`'s parameters, then the kept values (parameters named as
+      the stages); returns the other gradients, computing only what input_grad did not.
+
+    So no stage is computed twice: the two together do what `<p>_bwd` does."""
+
+    input_grad: Program
+    weight_grad: Program
+    grads: tuple[str, ...]  # input_grad's outputs that are gradients (`d_<x>`): INPUTS' and any it made anyway
+    kept: tuple[str, ...]  # the values input_grad hands to weight_grad, in the order both use
+
+
+def input_name(program: str) -> str:
+    return f"{program}_bwd_input"
+
+
+def weight_name(program: str) -> str:
+    return f"{program}_bwd_weight"
+
+
+def split_input_weight(p: Program, bwd: Program, inputs: tuple[str, ...]) -> InputWeight:
+    """`bwd` (split(p, g).backward) cut at the gradients of p's parameters INPUTS (see
+    InputWeight). Raises ValueError naming an input that is not a differentiated parameter."""
+    grads = dict(bwd.outputs)
+    for x in inputs:
+        if f"d_{x}" not in grads:
+            known = ", ".join(n[2:] for n in grads)
+            raise ValueError(f"{p.name}: {x!r} has no gradient to split the backward at (the "
+                             f"differentiated parameters: {known})")
+    ins = tuple((f"d_{x}", grads[f"d_{x}"]) for x in inputs)
+    first = live(bwd.stages, ins)
+    done = {s.name for s in first}
+    # a weight's gradient input_grad computes anyway (a stage it needs too) is its output
+    early = tuple(o for o in bwd.outputs if o not in ins and o[1] in done)
+    rest = tuple(o for o in bwd.outputs if o not in ins and o not in early)
+    later = [s for s in live(bwd.stages, rest) if s.name not in done]
+    wanted = {r for s in later for r in refs(s.expr)} | {s for _, s in rest}
+    kept = tuple(s.name for s in first if s.name in wanted)
+    b = replace(bwd, name=input_name(p.name), stages=tuple(first),
+                outputs=ins + early + tuple((f"kept_{v}", v) for v in kept))
+    w = replace(bwd, name=weight_name(p.name), stages=tuple(later), outputs=rest,
+                params=(*bwd.params, *(Param(v, bwd.stage_named(v).type) for v in kept)))
+    return InputWeight(b, w, tuple(n for n, _ in ins + early), kept)
