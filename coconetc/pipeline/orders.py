@@ -1,0 +1,448 @@
+"""Pipeline-parallel micro-batch orders: which forward (F), backward (B) and weight-gradient (W)
+action each pipeline rank runs, in which order; checked for completeness and deadlock, and
+simulated to give a timeline, its bubble and its peak activations.
+
+A bottom layer: it imports nothing from coconetc. The runtime (`coconetc/torch/pipeline.py`)
+runs each rank's list strictly in order, with non-blocking sends and blocking receives;
+`check` and `simulate` use exactly those rules, so an order that passes `check` cannot hang
+there, and `simulate` gives the time it takes under given `Costs`.
+
+The orders (P ranks, M micro-batches, V model chunks per rank):
+
+- `gpipe`: every F, then every B, both in micro-batch order (torch's ScheduleGPipe).
+- `1f1b`: P - rank - 1 warm-up forwards, then one F and one B in turn, then the remaining
+  backwards (PipeDream-flush, Megatron's and torch's Schedule1F1B).
+- `interleaved`: Megatron's interleaved 1F1B: V chunks per rank, virtual stage
+  `chunk * P + rank`; micro-batches go through the chunks in groups of P; warm-up of
+  2 (P - rank - 1) + (V - 1) P forwards (Megatron's `forward_backward_pipelining_with_
+  interleaving`, torch's ScheduleInterleaved1F1B). Needs M divisible by P.
+- `zero_bubble`: ZB-H1 (Qi et al. 2023, torch's ScheduleInterleavedZeroBubble with one chunk):
+  1F1B's F/B order with B the input gradient only; rank r runs its first r steady-state steps
+  without their W and every later step as F, B, W, so the r held-back W's fill the idle end
+  of the pipeline. Every rank then holds at most P micro-batches' activations, 1F1B's peak
+  (reached on its rank 0); the idle time falls from (P-1)(F+B+W) to (P-1)(F+B-W).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+KINDS = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank: `kind` F (forward), B (backward: the input gradient only when the
+    order splits the backward, else the whole backward) or W (weight gradient) of micro-batch
+    `microbatch` through this rank's model chunk `chunk`."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Order:
+    """Every rank's actions, in execution order. Virtual stage `chunk * ranks + rank` holds
+    the model's layers in stage order (Megatron's interleaved mapping)."""
+
+    name: str
+    ranks: int
+    microbatches: int
+    chunks: int
+    split_backward: bool
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """The virtual stage (0..P*V-1) of this rank's chunk."""
+        if not (0 <= rank < self.ranks and 0 <= chunk < self.chunks):
+            raise ValueError(f"no rank {rank} chunk {chunk} in an order of {self.ranks} ranks "
+                             f"with {self.chunks} chunks each")
+        return chunk * self.ranks + rank
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) that runs a virtual stage."""
+        if not 0 <= stage < self.stages:
+            raise ValueError(f"no stage {stage}: the order has stages 0..{self.stages - 1}")
+        return stage % self.ranks, stage // self.ranks
+
+
+def make(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Order:
+    """The order `name` for `ranks` pipeline ranks, `microbatches` micro-batches and `chunks`
+    model chunks per rank (more than one only for `interleaved`)."""
+    _check_arguments(name, ranks, microbatches, chunks)
+    P, M = ranks, microbatches
+    if name == "gpipe":
+        lists = [[Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
+                 for _ in range(P)]
+    elif name == "1f1b":
+        lists = [_one_f_one_b(P, M, r) for r in range(P)]
+    elif name == "interleaved":
+        lists = [_interleaved(P, M, chunks, r) for r in range(P)]
+    else:
+        lists = [_zb_h1(P, M, r) for r in range(P)]
+    return Order(name, P, M, chunks, name == "zero_bubble", tuple(tuple(a) for a in lists))
+
+
+def _check_arguments(name: str, ranks: int, microbatches: int, chunks: int) -> None:
+    if name not in ORDERS:
+        raise ValueError(f"unknown pipeline order {name!r}; the orders are {', '.join(ORDERS)}")
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks}: a pipeline needs at least one rank "
+                         "(use ranks=1 for no pipeline)")
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches}: a step needs at least one micro-batch "
+                         f"(use microbatches={max(ranks, 1)} or more to fill {ranks} ranks)")
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks}: each rank holds at least one model chunk "
+                         "(use chunks=1, or chunks=2 with order 'interleaved')")
+    if name != "interleaved" and chunks != 1:
+        raise ValueError(f"order {name!r} runs one model chunk per rank, not chunks={chunks}: "
+                         "use chunks=1, or order 'interleaved' for several chunks")
+    if name == "interleaved" and chunks < 2:
+        raise ValueError(f"order 'interleaved' needs at least 2 model chunks per rank, not "
+                         f"chunks={chunks}: use chunks=2, or order '1f1b' for one chunk")
+    if name == "interleaved" and microbatches % ranks:
+        lower, upper = microbatches // ranks * ranks, (microbatches // ranks + 1) * ranks
+        use = f"microbatches={lower} or microbatches={upper}" if lower else f"microbatches={upper}"
+        raise ValueError(f"order 'interleaved' needs microbatches divisible by ranks "
+                         f"(Megatron's requirement: micro-batches go through the chunks in "
+                         f"groups of {ranks}), not microbatches={microbatches} with "
+                         f"ranks={ranks}: use {use}")
+
+
+def _one_f_one_b(P: int, M: int, rank: int) -> list[Action]:
+    warmup = min(P - rank - 1, M)
+    acts = [Action("F", m) for m in range(warmup)]
+    for i in range(M - warmup):
+        acts += [Action("F", warmup + i), Action("B", i)]
+    return acts + [Action("B", m) for m in range(M - warmup, M)]
+
+
+def _interleaved(P: int, M: int, V: int, rank: int) -> list[Action]:
+    """Megatron's order: the k-th forward of a rank runs chunk (k // P) % V on micro-batch
+    (k // (P V)) P + k % P; the k-th backward the same with the chunks reversed."""
+    total = M * V
+    warmup = min(2 * (P - rank - 1) + (V - 1) * P, total)
+
+    def nth(k: int, kind: str) -> Action:
+        chunk = k % (P * V) // P
+        return Action(kind, k // (P * V) * P + k % P, chunk if kind == "F" else V - 1 - chunk)
+
+    acts = [nth(k, "F") for k in range(warmup)]
+    for i in range(total - warmup):
+        acts += [nth(warmup + i, "F"), nth(i, "B")]
+    return acts + [nth(k, "B") for k in range(total - warmup, total)]
+
+
+def _zb_h1(P: int, M: int, rank: int) -> list[Action]:
+    """1F1B's F/B order; W of a step follows its B except on the rank's first `rank` steady
+    steps, whose W's wait until the end."""
+    warmup = min(P - rank - 1, M)
+    acts = [Action("F", m) for m in range(warmup)]
+    w = 0  # the next W to run, in micro-batch order
+    for i in range(M - warmup):
+        acts += [Action("F", warmup + i), Action("B", i)]
+        if i >= rank:
+            acts.append(Action("W", w))
+            w += 1
+    for m in range(M - warmup, M):
+        acts += [Action("B", m), Action("W", w)]
+        w += 1
+    return acts + [Action("W", m) for m in range(w, M)]
+
+
+# What an action waits for: (stage, microbatch, kind) keys.
+Key = tuple[int, int, str]
+
+
+def _needs(order: Order, key: Key) -> list[Key]:
+    stage, m, kind = key
+    if kind == "F":
+        return [(stage - 1, m, "F")] if stage > 0 else []
+    if kind == "B":
+        later = [(stage + 1, m, "B")] if stage < order.stages - 1 else []
+        return [(stage, m, "F"), *later]
+    return [(stage, m, "B")]
+
+
+def _name(order: Order, key: Key) -> str:
+    stage, m, kind = key
+    rank, chunk = order.place(stage)
+    return f"{Action(kind, m, chunk)} (stage {stage}, rank {rank})"
+
+
+def check(order: Order) -> None:
+    """Raise ValueError, naming the rank and the action, unless every rank's list runs each
+    (stage, micro-batch, kind) exactly once, on the rank that holds the stage, and the lists
+    run to the end under the runtime's rules without deadlock."""
+    _check_shape(order)
+    _run(order, Costs())
+
+
+def _check_shape(order: Order) -> None:
+    if order.ranks < 1 or order.microbatches < 1 or order.chunks < 1:
+        raise ValueError(f"order {order.name!r}: ranks={order.ranks}, microbatches="
+                         f"{order.microbatches}, chunks={order.chunks}; each must be at least 1")
+    if len(order.actions) != order.ranks:
+        raise ValueError(f"order {order.name!r} has action lists for {len(order.actions)} ranks, "
+                         f"not for its ranks={order.ranks}")
+    kinds = KINDS if order.split_backward else KINDS[:2]
+    seen: set[Key] = set()
+    for rank, acts in enumerate(order.actions):
+        for i, a in enumerate(acts):
+            where = f"order {order.name!r}: rank {rank}, action {i} ({a})"
+            _check_action(order, rank, a, kinds, where)
+            key = (order.stage(rank, a.chunk), a.microbatch, a.kind)
+            if key in seen:
+                raise ValueError(f"{where}: runs twice")
+            seen.add(key)
+    for stage in range(order.stages):
+        rank, chunk = order.place(stage)
+        for m in range(order.microbatches):
+            for kind in kinds:
+                if (stage, m, kind) not in seen:
+                    raise ValueError(f"order {order.name!r}: rank {rank} never runs "
+                                     f"{Action(kind, m, chunk)} (stage {stage}); every stage "
+                                     f"runs {', '.join(kinds)} once for each micro-batch")
+
+
+def _check_action(order: Order, rank: int, a: Action, kinds: tuple[str, ...], where: str) -> None:
+    if a.kind == "W" and not order.split_backward:
+        raise ValueError(f"{where}: a W, but the order does not split the backward "
+                         "(set split_backward=True, or make B the whole backward)")
+    if a.kind not in kinds:
+        raise ValueError(f"{where}: kind {a.kind!r} is none of {', '.join(kinds)}")
+    if not 0 <= a.microbatch < order.microbatches:
+        raise ValueError(f"{where}: micro-batch {a.microbatch} is not in "
+                         f"0..{order.microbatches - 1}")
+    if not 0 <= a.chunk < order.chunks:
+        stages = ", ".join(str(order.stage(rank, c)) for c in range(order.chunks))
+        raise ValueError(f"{where}: chunk {a.chunk} is not on this rank, which holds chunks "
+                         f"0..{order.chunks - 1} (stages {stages})")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one action of one virtual stage, and the latency of a transfer between ranks."""
+
+    forward: float = 1.0
+    backward: float = 2.0  # the whole backward (B + W), when the order does not split it
+    input_grad: float = 1.0  # B, when split
+    weight_grad: float = 1.0  # W, when split
+    transfer: float = 0.0  # added to every dependency between two ranks
+
+    def of(self, kind: str, split_backward: bool) -> float:
+        if kind == "F":
+            return self.forward
+        if kind == "W":
+            return self.weight_grad
+        return self.input_grad if split_backward else self.backward
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One action as simulated."""
+
+    rank: int
+    action: Action
+    stage: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every action's start and end when each rank runs its list in order, each action
+    starting as soon as the rank is free and its inputs have arrived."""
+
+    order: Order
+    slots: tuple[Slot, ...]  # sorted by (rank, start)
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(s.end - s.start for s in self.slots if s.rank == rank)
+
+    def bubble(self) -> float:
+        """Idle fraction of the ranks' time until the makespan."""
+        if self.makespan <= 0:
+            return 0.0
+        total = sum(self.busy(r) for r in range(self.order.ranks))
+        return 1 - total / (self.order.ranks * self.makespan)
+
+    def peak_activations(self, rank: int) -> int:
+        """Most micro-batches whose activations the rank holds at once, counted per (chunk,
+        micro-batch): held from the F's start until the W's end (the B's when the backward is
+        not split). With chunks, each is a chunk's activations, 1/V of a whole stage's."""
+        release = "W" if self.order.split_backward else "B"
+        events: list[tuple[float, int]] = []  # (time, +1 hold / -1 release); releases first
+        for s in self.slots:
+            if s.rank == rank and s.action.kind == "F":
+                events.append((s.start, 1))
+            elif s.rank == rank and s.action.kind == release:
+                events.append((s.end, -1))
+        held = peak = 0
+        for _, step in sorted(events):
+            held += step
+            peak = max(peak, held)
+        return peak
+
+
+def simulate(order: Order, costs: Costs = Costs()) -> Timeline:
+    """The timeline of a checked order under `costs` (ValueError as `check` for a bad one)."""
+    _check_shape(order)
+    slots = _run(order, costs)
+    return Timeline(order, tuple(sorted(slots, key=lambda s: (s.rank, s.start))),
+                    max((s.end for s in slots), default=0.0))
+
+
+def _run(order: Order, costs: Costs) -> list[Slot]:
+    """Run every rank's list in order: an action starts once its rank is free and what it needs
+    has ended (plus `transfer` from another rank). Raises ValueError on a deadlock."""
+    ends: dict[Key, float] = {}
+    owner = {(order.stage(r, a.chunk), a.microbatch, a.kind): r
+             for r, acts in enumerate(order.actions) for a in acts}
+    nxt = [0] * order.ranks
+    free = [0.0] * order.ranks
+    slots: list[Slot] = []
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(order.actions):
+            while nxt[rank] < len(acts):
+                a = acts[nxt[rank]]
+                key = (order.stage(rank, a.chunk), a.microbatch, a.kind)
+                needs = _needs(order, key)
+                if any(n not in ends for n in needs):
+                    break
+                start = max([free[rank]] + [ends[n] + (costs.transfer if owner[n] != rank else 0)
+                                            for n in needs])
+                end = start + costs.of(a.kind, order.split_backward)
+                ends[key] = free[rank] = end
+                slots.append(Slot(rank, a, key[0], start, end))
+                nxt[rank] += 1
+                progress = True
+    blocked = [r for r in range(order.ranks) if nxt[r] < len(order.actions[r])]
+    if blocked:
+        raise ValueError(f"order {order.name!r} deadlocks: "
+                         + "; ".join(_blocked(order, r, nxt, ends, owner) for r in blocked))
+    return slots
+
+
+def _blocked(order: Order, rank: int, nxt: list[int], ends: dict[Key, float],
+             owner: dict[Key, int]) -> str:
+    a = order.actions[rank][nxt[rank]]
+    key = (order.stage(rank, a.chunk), a.microbatch, a.kind)
+    waits = []
+    for n in _needs(order, key):
+        if n in ends:
+            continue
+        if owner[n] == rank:
+            waits.append(f"{_name(order, n)}, which comes after it on the same rank")
+        else:
+            waits.append(f"{_name(order, n)}")
+    return (f"rank {rank} waits at action {nxt[rank]} ({a}, stage {key[0]}) for "
+            + " and ".join(waits))
+
+
+def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
+                     costs: Costs = Costs()) -> float:
+    """The textbook idle fraction, with P ranks, M micro-batches, V chunks:
+
+    - gpipe, 1f1b: (P-1) / (M+P-1), for any F and B times (P-1 idle (F+B) periods per rank
+      against M busy ones);
+    - interleaved: (P-1) / (V M + P-1) (Megatron: the bubble of 1F1B divided by V, each
+      chunk's F and B being 1/V of a whole stage's);
+    - zero_bubble: ZB-H1's idle time (P-1)(F + B - W) per rank against M (F + B + W) busy,
+      with F, B, W the forward, input_grad and weight_grad of `costs` ((P-1) / (3M + P-1) for
+      the defaults).
+
+    `simulate` is the source of truth: it can differ from these, most for interleaved with
+    few micro-batches."""
+    _check_arguments(name, ranks, microbatches, chunks)
+    P, M, V = ranks, microbatches, chunks
+    if name == "interleaved":
+        return (P - 1) / (V * M + P - 1)
+    if name == "zero_bubble":
+        f, b, w = costs.forward, costs.input_grad, costs.weight_grad
+        idle = (P - 1) * max(0.0, f + b - w)
+        return idle / (M * (f + b + w) + idle)
+    return (P - 1) / (M + P - 1)
+
+
+def render(timeline: Timeline, width: int = 100) -> str:
+    """A text chart: a row per rank, time scaled to `width` columns, `.` idle. Each action is its
+    label (`F3`, or `F3.1` for chunk 1 of an interleaved order) padded with blanks over its
+    duration; when some label does not fit at this width, every action is its kind letter
+    (lower case for chunks other than 0) padded with `-`, and a note gives the width that
+    fits the labels. Then the bubble and each rank's peak activations."""
+    order = timeline.order
+    scale = width / timeline.makespan if timeline.makespan > 0 else 0.0
+    cells = []
+    for s in timeline.slots:
+        a = min(round(s.start * scale), width - 1)
+        b = max(min(round(s.end * scale), width), a + 1)
+        act = s.action
+        label = f"{act.kind}{act.microbatch}" + (f".{act.chunk}" if order.chunks > 1 else "")
+        cells.append((s.rank, a, b, label, act.kind if act.chunk == 0 else act.kind.lower()))
+    labels = all(len(label) <= b - a for _, a, b, label, _ in cells)
+    rows = [["."] * width for _ in range(order.ranks)]
+    for rank, a, b, label, letter in cells:
+        rows[rank][a:b] = label.ljust(b - a) if labels else letter.ljust(b - a, "-")
+    head = (f"{order.name}: {order.ranks} ranks, {order.microbatches} micro-batches"
+            + (f", {order.chunks} chunks per rank" if order.chunks > 1 else "")
+            + f"; makespan {timeline.makespan:g}")
+    pad = len(f"rank {order.ranks - 1}")
+    lines = [head] + [f"{f'rank {r}':<{pad}} |{''.join(row)}|" for r, row in enumerate(rows)]
+    shortest = min((s.end - s.start for s in timeline.slots if s.end > s.start), default=0.0)
+    if not labels and shortest > 0:
+        longest = max(len(label) for *_, label, _ in cells)
+        lines.append(f"(kinds only: micro-batches show at width="
+                     f"{math.ceil((longest + 1) * timeline.makespan / shortest)})")
+    peaks = ", ".join(f"rank {r} {timeline.peak_activations(r)}" for r in range(order.ranks))
+    lines.append(f"bubble {timeline.bubble():.4f} ({timeline.bubble():.1%}); "
+                 f"peak activations: {peaks}")
+    return "\n".join(lines)
+
+
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+
+
+def chart(timeline: Timeline, path: str) -> None:
+    """A PNG Gantt chart of the timeline at `path`: a row per rank, colored by kind."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise RuntimeError("chart needs matplotlib: pip install matplotlib "
+                           "(or pip install 'coconet[bench]')") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = timeline.order
+    fig, ax = plt.subplots(figsize=(max(6.0, timeline.makespan * 0.25), 0.5 * order.ranks + 1.2))
+    for s in timeline.slots:
+        ax.barh(s.rank, s.end - s.start, left=s.start, height=0.8,
+                color=COLORS.get(s.action.kind, "gray"), edgecolor="white")
+        ax.text((s.start + s.end) / 2, s.rank, str(s.action), ha="center", va="center",
+                fontsize=7, color="white")
+    ax.set_yticks(range(order.ranks), [f"rank {r}" for r in range(order.ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, timeline.makespan)
+    ax.set_xlabel("time")
+    ax.set_title(f"{order.name}: P={order.ranks}, M={order.microbatches}"
+                 + (f", V={order.chunks}" if order.chunks > 1 else "")
+                 + f"; bubble {timeline.bubble():.1%}")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
+              labels=list(COLORS), loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
