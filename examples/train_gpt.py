@@ -47,7 +47,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 GPT_BLOCK = HERE / "gpt_block.ccn"
 ADAMW = HERE / "adamw.ccn"
-PROGRAMS = {"tp": "gpt_block", "sp": "gpt_block_sp", "tp_dp": "gpt_block"}
+PROGRAMS = {"tp": "gpt_block", "sp": "gpt_block_sp", "tp_dp": "gpt_block",
+            "pp": "gpt_block", "pp_tp": "gpt_block", "pp_tp_dp": "gpt_block"}
+ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 SCALARS = ("scale", "pdrop", "seed")
 BLOCK_WEIGHTS = ("ln1_w", "ln1_b", "wq", "bq", "wk", "wv", "bv", "wo", "bo",
                  "ln2_w", "ln2_b", "w_fc", "b_fc", "w_proj", "b_proj")
@@ -62,37 +64,75 @@ def available_programs() -> set[str]:
     return set(load_file(GPT_BLOCK).programs)
 
 
-def modes_of(arg: str, ranks: int, dp_groups: int, programs: set[str]) -> tuple[list[str], list[str]]:
+def shape_of(mode: str, a: argparse.Namespace, ranks: int) -> tuple[int, int, int]:
+    """(data-parallel groups, pipeline stages, tensor-parallel ranks) of MODE on RANKS ranks."""
+    dp = a.dp_groups if mode in ("tp_dp", "pp_tp_dp") else 1
+    pp = a.stages if mode.startswith("pp") else 1
+    return dp, pp, ranks // (dp * pp)
+
+
+def fits(mode: str, a: argparse.Namespace, ranks: int) -> str | None:
+    """Why MODE cannot run on RANKS ranks (None: it can)."""
+    dp, pp, tp = shape_of(mode, a, ranks)
+    if ranks % (dp * pp):
+        return f"{ranks} ranks do not form {dp} data-parallel group(s) x {pp} stage(s) of equal size"
+    if mode in ("tp_dp", "pp_tp", "pp_tp_dp") and tp < 2:
+        return f"needs tensor-parallel groups of 2 or more ranks ({ranks} ranks = {dp} x {pp} x {tp})"
+    if mode == "pp" and tp != 1:
+        return f"runs one rank a stage: --ranks {dp * pp} (--stages {pp}), not {ranks}"
+    return None
+
+
+def modes_of(arg: str, ranks: int, a: argparse.Namespace, programs: set[str]) -> tuple[list[str], list[str]]:
     """(the modes to run, notes on the modes left out) for --mode ARG."""
     notes = []
     if arg == "all":
         modes = []
         for m in PROGRAMS:
+            why = fits(m, a, ranks)
             if PROGRAMS[m] not in programs:
                 notes.append(f"{m}: {GPT_BLOCK.name} has no program {PROGRAMS[m]} (yet): not run")
-            elif m == "tp_dp" and (ranks % dp_groups or ranks // dp_groups < 2):
-                notes.append(f"tp_dp: needs --dp-groups {dp_groups} groups of at least 2 ranks "
-                             f"(--ranks a multiple of {dp_groups}, above it): not run on {ranks}")
+            elif why:
+                notes.append(f"{m}: {why}: not run")
             else:
                 modes.append(m)
         return modes, notes
     modes = arg.split(",")
     for m in modes:
         if m not in PROGRAMS:
-            raise SystemExit(f"--mode: unknown mode {m!r} (tp, sp, tp_dp, or all)")
+            raise SystemExit(f"--mode: unknown mode {m!r} ({', '.join(PROGRAMS)}, or all)")
         if PROGRAMS[m] not in programs:
             raise SystemExit(f"--mode {m}: {GPT_BLOCK} has no program {PROGRAMS[m]} (its programs: "
                              f"{', '.join(sorted(programs))})")
-        if m == "tp_dp" and (ranks % dp_groups or ranks // dp_groups < 2):
-            raise SystemExit(f"--mode tp_dp: {ranks} ranks do not form {dp_groups} groups of 2 or more "
-                             "(--dp-groups)")
+        why = fits(m, a, ranks)
+        if why:
+            raise SystemExit(f"--mode {m}: {why} (--ranks, --stages, --dp-groups)")
     return modes, notes
 
 
-def check_sizes(mode: str, a: argparse.Namespace, ranks: int) -> None:
-    """The sizes MODE can run with on RANKS ranks (before the ranks start, and in each)."""
-    groups = a.dp_groups if mode == "tp_dp" else 1
-    gs = ranks // groups
+def orders_of(a: argparse.Namespace) -> list[str]:
+    """--order as a list of pipeline orders."""
+    got = list(ORDERS) if a.order == "all" else a.order.split(",")
+    for o in got:
+        if o not in ORDERS:
+            raise SystemExit(f"--order: unknown order {o!r} ({', '.join(ORDERS)}, or all)")
+    return got
+
+
+def layer_bounds(layers: int, stages: int) -> list[int]:
+    """Layer l runs on virtual stage s when bounds[s] <= l < bounds[s + 1]: as even as can be,
+    the first stages taking one more when the layers do not divide."""
+    q, rem = divmod(layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + q + (s < rem))
+    return bounds
+
+
+def check_sizes(mode: str, a: argparse.Namespace, ranks: int, order: str = "1f1b") -> None:
+    """The sizes MODE (and pipeline ORDER) can run with on RANKS ranks (before the ranks start,
+    and in each)."""
+    groups, stages, gs = shape_of(mode, a, ranks)
     if a.hidden % a.heads:
         raise SystemExit(f"--hidden {a.hidden} is not a multiple of --heads {a.heads}")
     if a.heads % gs and a.hidden // a.heads != 1:
@@ -100,6 +140,19 @@ def check_sizes(mode: str, a: argparse.Namespace, ranks: int) -> None:
                          "whole heads (a multiple of the ranks, or heads of 1; docs/gpt_block.md)")
     if a.batch % groups:
         raise SystemExit(f"--batch {a.batch}: not split evenly over {groups} data-parallel groups")
+    if mode.startswith("pp"):
+        chunks = a.chunks if order == "interleaved" else 1
+        if a.layers < stages * chunks:
+            raise SystemExit(f"--layers {a.layers}: fewer than the {stages * chunks} virtual stages of "
+                             f"{order} ({stages} stages x {chunks} chunks); use --layers {stages * chunks} or more")
+        from coconetc.pipeline.orders import make
+        try:
+            make(order, stages, a.microbatches, chunks)
+        except ValueError as err:
+            raise SystemExit(f"--order {order}: {err}") from None
+        if (a.batch // groups) % a.microbatches:
+            raise SystemExit(f"--batch {a.batch}: {a.batch // groups} rows a data-parallel group do not split "
+                             f"into --microbatches {a.microbatches} equal micro-batches")
 
 
 # --- the model's weights, data and the one-process reference ------------------------------------
@@ -319,13 +372,137 @@ def run_mode(mode: str, a: argparse.Namespace, comm: Any) -> dict[str, Any]:
             "seconds": comm.allreduce(t_coconet, op=MPI.MAX), "ref_seconds": t_ref}
 
 
+def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dict[str, Any]:
+    """MODE (pp, pp_tp, pp_tp_dp) under pipeline ORDER: the model cut into --stages stages
+    (--chunks each under the interleaved order), its layers gpt_block.ccn's coconet layers
+    (coconetc.torch.pipeline), trained against one process as run_mode does. Rank
+    (d * stages + s) * T + t is tensor-parallel rank t of stage s in data-parallel group d."""
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    from coconetc.runtime import layout
+    from coconetc.sourcefile import load_file
+    from coconetc.torch.pipeline import Block, Chunk, Pipeline
+    rank, ranks = comm.Get_rank(), comm.Get_size()
+    dp, P, T = shape_of(mode, a, ranks)
+    check_sizes(mode, a, ranks, order)
+    d, s, t = rank // (P * T), rank // T % P, rank % T
+    tp_comm = comm.Split(d * P + s, t)
+    pp_comm = comm.Split(d * T + t, s)
+    dp_comm = comm.Split(s * T + t, d) if dp > 1 else None
+    V = a.chunks if order == "interleaved" else 1
+    bounds = layer_bounds(a.layers, P * V)
+    full, data = init(a), batches(a)
+    ref = reference_model(full, a)
+    program = PROGRAMS[mode]
+    prog = load_file(GPT_BLOCK).program(program)
+    decl = {q.name: q for q in prog.params}
+    block = Block(GPT_BLOCK, program, comm=tp_comm, schedule=a.schedule, grad_schedule=a.grad_schedule)
+    params: dict[str, torch.Tensor] = {}  # name as the reference model's -> this rank's part
+    layouts: dict[str, Any] = {}
+
+    def mine(name: str, w: torch.Tensor) -> torch.Tensor:
+        q = decl[name.rsplit(".", 1)[1]]
+        part = w[layout.local_index(q, list(w.shape), T, t)].clone()
+        layouts[name] = q
+        params[name] = part.requires_grad_(True)
+        return params[name]
+
+    H = a.hidden
+    scale = 1.0 / math.sqrt(H // a.heads)
+    chunks: list[Chunk] = []
+    layers: list[tuple[int, Any]] = []  # (the layer's index in the model, the layer)
+    for c in range(V):
+        stage = c * P + s
+        ls = []
+        for i in range(bounds[stage], bounds[stage + 1]):
+            ws = {n: mine(f"blocks.{i}.{n}", full["blocks"][i][n]) for n in block.weights}
+            ls.append(block.layer(ws, scale=scale, pdrop=a.dropout, seed=i))
+            layers.append((i, ls[-1]))
+        pre = post = None
+        if stage == 0:
+            for n in ("wte", "wpe"):
+                params[n] = full[n].clone().requires_grad_(True)
+
+            def pre(idx: torch.Tensor) -> torch.Tensor:
+                return params["wte"][idx] + params["wpe"][:idx.shape[1]]
+        if stage == P * V - 1:
+            for n in ("wte", "ln_f_w", "ln_f_b"):
+                params.setdefault(n, full[n].clone().requires_grad_(True))
+
+            def post(x: torch.Tensor) -> torch.Tensor:
+                x = F.layer_norm(x, (H,), params["ln_f_w"], params["ln_f_b"], 1e-5)
+                return x @ params["wte"].T
+        chunks.append(Chunk(ls, pre=pre, post=post))
+    share = 1.0 / dp
+
+    def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, a.vocab), tgt.reshape(-1)) * share
+
+    pipe = Pipeline(chunks, order, microbatches=a.microbatches, comm=pp_comm, loss_fn=loss_fn, tp_comm=tp_comm)
+    # the token embedding is tied to the head: the first and the last stage each hold it, and
+    # their gradients are summed between them (Megatron's embedding group)
+    ends = {0, (P * V - 1) % P}
+    tied = pp_comm.Split(0 if s in ends else MPI.UNDEFINED, s) if len(ends) > 1 else None
+    hp = dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.wd)
+    opt = torch.optim.AdamW(params.values(), **hp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    refs = dict(ref.named_parameters())
+    rows = slice(d * a.batch // dp, (d + 1) * a.batch // dp)
+    grad_err: dict[str, float] = {}
+    losses, ref_losses = [], []
+    t_coconet = t_ref = 0.0
+    holder = s == (P * V - 1) % P and t == 0  # a rank of the last stage: it has the loss
+    for step, (idx, tgt) in enumerate(data):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        for i, layer in layers:
+            layer.scalars["seed"] = 1000 * step + i
+        loss = pipe.step(idx[rows], tgt[rows])
+        if tied is not None and tied != MPI.COMM_NULL:
+            tied.Allreduce(MPI.IN_PLACE, params["wte"].grad.numpy(), op=MPI.SUM)
+        if dp_comm is not None:
+            for p in params.values():
+                dp_comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+        grads = {n: p.grad.detach().clone() for n, p in params.items()} if step == 0 else {}
+        opt.step()
+        losses.append(comm.allreduce(loss if holder else 0.0))  # each group's: its share of the batch's
+        t1 = time.perf_counter()
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        if step == 0:  # this rank's part of each one-process gradient
+            errs = {}
+            for name, g in grads.items():
+                want = refs[name].grad.detach()
+                if name in layouts:
+                    want = want[layout.local_index(layouts[name], list(want.shape), T, t)]
+                errs[name] = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+            for part in comm.allgather(errs):
+                for name, e in part.items():
+                    grad_err[name] = max(grad_err.get(name, 0.0), e)
+        ref_opt.step()
+        t_coconet += t1 - t0
+        t_ref += time.perf_counter() - t1
+    loss_err = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
+    held = comm.allreduce(sum(p.numel() for p in params.values()), op=MPI.MAX)
+    how = (f"{P} stages x tensor parallel {T}" + (f" x data parallel {dp}" if dp > 1 else "")
+           + f", order {order}" + (f" ({V} chunks a rank)" if V > 1 else "") + f", {a.microbatches} micro-batches")
+    return {"mode": f"{mode}/{order}", "how": how, "program": program, "groups": dp, "group_size": T,
+            "grad_err": grad_err, "losses": losses, "ref_losses": ref_losses, "loss_err": loss_err,
+            "held": held, "total": sum(p.numel() for p in ref.parameters()),
+            "seconds": comm.allreduce(t_coconet, op=MPI.MAX), "ref_seconds": t_ref}
+
+
 def report(res: dict[str, Any], a: argparse.Namespace, ranks: int) -> bool:
     """Rank 0's tables for one mode; True when it passes."""
     mode, gs, groups = res["mode"], res["group_size"], res["groups"]
-    how = {"tp": f"tensor parallel over {gs} ranks", "sp": f"sequence parallel over {gs} ranks",
-           "tp_dp": f"tensor parallel over {gs} ranks x data parallel over {groups} groups "
-                    f"(DistributedOptimizer adamw.ccn, schedule {a.dp_schedule})"}[mode]
-    print(f"\n== {mode}: {PROGRAMS[mode]} on {ranks} ranks, {how}; schedule {a.schedule}, grad schedule "
+    how = res.get("how") or {"tp": f"tensor parallel over {gs} ranks", "sp": f"sequence parallel over {gs} ranks",
+                             "tp_dp": f"tensor parallel over {gs} ranks x data parallel over {groups} groups "
+                                      f"(DistributedOptimizer adamw.ccn, schedule {a.dp_schedule})"}[mode]
+    print(f"\n== {mode}: {res.get('program') or PROGRAMS[mode]} on {ranks} ranks, {how}; schedule {a.schedule}, grad schedule "
           f"{a.grad_schedule}; {res['held']} of {res['total']} parameters on each rank")
     checked = a.dropout == 0
     worst: dict[str, float] = {}
@@ -352,7 +529,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="tp", help="tp, sp, tp_dp, a comma-separated list, or all (default tp)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks to start (when not already under mpiexec)")
-    ap.add_argument("--dp-groups", type=int, default=2, help="tp_dp: data-parallel groups (default 2)")
+    ap.add_argument("--dp-groups", type=int, default=2, help="tp_dp, pp_tp_dp: data-parallel groups (default 2)")
+    ap.add_argument("--stages", type=int, default=2, help="pp modes: pipeline stages (default 2)")
+    ap.add_argument("--order", default="all", help=f"pp modes: {', '.join(ORDERS)}, a comma-separated list, or "
+                    "all (the default)")
+    ap.add_argument("--microbatches", type=int, default=4, help="pp modes: micro-batches a step (default 4)")
+    ap.add_argument("--chunks", type=int, default=2, help="pp modes, the interleaved order: model chunks a "
+                    "rank (default 2)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=32)
@@ -373,11 +556,12 @@ def main() -> int:
     a = ap.parse_args()
     programs = available_programs()
     if not in_mpi_job() and a.ranks > 1:  # build once here, then start the ranks
-        modes, _ = modes_of(a.mode, a.ranks, a.dp_groups, programs)
+        modes, _ = modes_of(a.mode, a.ranks, a, programs)
         for m in modes:
-            check_sizes(m, a, a.ranks)
+            for o in (orders_of(a) if m.startswith("pp") else ["1f1b"]):
+                check_sizes(m, a, a.ranks, o)
         import coconetc
-        for prog in dict.fromkeys(PROGRAMS[m] for m in modes):
+        for prog in dict.fromkeys(PROGRAMS[m] + (":x" if m.startswith("pp") else "") for m in modes):
             coconetc.load(GPT_BLOCK, log=lambda msg: None, grad=(prog,))
         if "tp_dp" in modes:
             coconetc.load(ADAMW, log=lambda msg: None)
@@ -389,7 +573,7 @@ def main() -> int:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, ranks = comm.Get_rank(), comm.Get_size()
-    modes, notes = modes_of(a.mode, ranks, a.dp_groups, programs)
+    modes, notes = modes_of(a.mode, ranks, a, programs)
     if rank == 0:
         print(f"GPT: {a.layers} blocks of H={a.hidden}, {a.heads} heads, F={a.ffn * a.hidden}; vocabulary "
               f"{a.vocab}, sequence {a.seq}, batch {a.batch}; AdamW lr {a.lr} wd {a.wd}; {a.steps} steps; "
@@ -397,15 +581,17 @@ def main() -> int:
         for n in notes:
             print(n)
     summary = []
-    for m in modes:
-        res = run_mode(m, a, comm)
+    runs = [(m, o) for m in modes for o in (orders_of(a) if m.startswith("pp") else [None])]
+    for m, o in runs:
+        res = run_mode(m, a, comm) if o is None else run_pipeline(m, o, a, comm)
         ok = report(res, a, ranks) if rank == 0 else True
-        summary.append((m, max(res["grad_err"].values()), max(res["loss_err"]), ok))
+        summary.append((res["mode"], max(res["grad_err"].values()), max(res["loss_err"]), ok))
     ok = comm.bcast(all(s[3] for s in summary), root=0)
     if rank == 0:
-        print(f"\n{'mode':6s} {'ranks':>5s} {'gradients':>10s} {'losses':>10s}  result")
+        width = max(6, *(len(m) for m, *_ in summary))
+        print(f"\n{'mode':{width}s} {'ranks':>5s} {'gradients':>10s} {'losses':>10s}  result")
         for m, g, lo, good in summary:
-            print(f"{m:6s} {ranks:5d} {g:10.2e} {lo:10.2e}  "
+            print(f"{m:{width}s} {ranks:5d} {g:10.2e} {lo:10.2e}  "
                   f"{('ok' if good else 'MISMATCH') if a.dropout == 0 else 'not checked'}")
     if not ok:
         if rank == 0:

@@ -34,8 +34,8 @@ TINY = ["--steps", "3", "--layers", "1", "--hidden", "16", "--heads", "2", "--ff
 TOL = 1e-5
 
 
-def _train(cwd: Path, ranks: int, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--mode", mode, "--ranks", str(ranks), *TINY],
+def _train(cwd: Path, ranks: int, mode: str, *more: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--mode", mode, "--ranks", str(ranks), *TINY, *more],
                           cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
@@ -92,6 +92,19 @@ def test_tensor_x_data_parallel_gpt_trains_like_one_process(tmp_path):
     res = _train(tmp_path, 4, "tp_dp")
     _check(res, ["tp_dp"], 4)
     assert "tensor parallel over 2 ranks x data parallel over 2 groups" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_pipeline_gpt_trains_like_one_process_in_every_order(tmp_path):
+    """--mode pp_tp on 4 ranks: 2 stages x tensor parallel 2 (the stage boundary sends each
+    rank's slice of the sequence and the next stage all-gathers it), 5 layers split unevenly
+    (3 + 2; 2 + 1 + 1 + 1 over the interleaved order's 4 virtual stages), 4 micro-batches, in
+    every order (coconetc.torch.pipeline; zero bubble runs the compiler's split backward)."""
+    orders = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
+    res = _train(tmp_path, 4, "pp_tp", "--layers", "5", "--order", ",".join(orders))
+    _check(res, [f"pp_tp/{o}" for o in orders], 4)
+    assert "2 stages x tensor parallel 2, order interleaved (2 chunks a rank), 4 micro-batches" in res.stdout
 
 
 def _script():

@@ -1,0 +1,337 @@
+"""Pipeline parallelism: a model cut into stages of ranks, trained on micro-batches in an order
+of coconetc.pipeline.orders (GPipe, 1F1B, interleaved 1F1B, zero bubble), its blocks `.ccn`
+programs (docs/pipeline.md).
+
+    block = Block("gpt_block.ccn", "gpt_block_sp", comm=tp_comm)        # the compiled programs
+    layers = [block.layer(params_of_layer_l, scale=0.125, pdrop=0.0, seed=l) for l in mine]
+    pipe = Pipeline([Chunk(layers, pre=embed, post=head)], "1f1b", microbatches=4,
+                    comm=pp_comm, loss_fn=loss)
+    loss = pipe.step(idx, target)           # every rank of the pipeline, together
+
+A `Chunk` is what one virtual stage computes on this rank: an optional torch module first (the
+first stage's embeddings), coconet layers, an optional torch module last (the last stage's
+head). A coconet layer runs the compiled programs directly: its forward `<p>_fwd` keeps the
+saved values per micro-batch; its backward is `<p>_bwd`, or, in the zero-bubble order, the
+compiler's split of it at the input (autodiff/saved.py): `<p>_bwd_input` (B: the gradient the
+previous stage waits for) and `<p>_bwd_weight` (W: the weights' gradients, run later to fill
+the bubbles). The torch modules run under autograd; their weight gradients are made in B.
+
+Between stages each rank sends to the same rank of the next stage's tensor-parallel group
+(`comm` holds one rank of each stage: pipeline rank = stage). Where the block's input is
+replicated across the group (tensor parallelism without sequence parallelism) each rank sends
+only its slice of the activation along the sequence and the receiving group all-gathers it
+(the CoCoNet paper's pipeline optimization); a sequence-parallel block's input is sliced
+already and is sent as it is. Sends do not block (the rank goes on with its next action);
+a receive waits where its value is used.
+
+The loss of each micro-batch is divided by the number of micro-batches, so the gradients are
+those of the batch's mean loss, as one process computes them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from coconetc.pipeline import orders as _orders
+from coconetc.plan.label import parse
+from coconetc.torch.params import load
+
+F, B, W = "F", "B", "W"
+_HEADER = 10  # int64s: the dtype's index in _DTYPES, ndim, then up to 8 dims
+_DTYPES = (np.float32, np.float64, np.float16)
+_KINDS = {F: 0, B: 1}
+
+
+class Block:
+    """The compiled programs of one `.ccn` block (PROGRAM of SOURCE) that a pipeline's layers
+    run: `<p>_fwd`, `<p>_bwd`, and its split at INPUT `<p>_bwd_input` / `<p>_bwd_weight`.
+    INPUT: the block's carried parameter (its activation in, of the output's shape and layout).
+    comm: the stage's tensor-parallel group (every rank of it calls the block together)."""
+
+    def __init__(self, source: str | Path, program: str, *, comm: Any, input: str = "x",
+                 schedule: str = "default", grad_schedule: str = "default"):
+        from coconetc.autodiff.saved import bwd_name, fwd_name, input_name, weight_name
+        self.source, self.program, self.input, self.comm = source, program, input, comm
+        self.schedule, self.grad_schedule = schedule, grad_schedule
+        mod = load(source, (f"{program}:{input}",), "coconetc.torch.pipeline.Block")
+        self.fwd = mod.programs[fwd_name(program)]
+        self.bwd = mod.programs[bwd_name(program)]
+        self.bwd_input = mod.programs[input_name(program)]
+        self.bwd_weight = mod.programs[weight_name(program)]
+        p = self.fwd.program_of(parse(self._sched(self.fwd, schedule)))
+        self.params = [q.name for q in p.params]
+        if input not in self.params:
+            raise ValueError(f"Block: {program} has no parameter {input!r} (its parameters: {', '.join(self.params)})")
+        q = next(q for q in p.params if q.name == input)
+        outs = [pub for pub, _ in p.outputs if not pub.startswith("saved_")]
+        if len(outs) != 1:
+            raise ValueError(f"Block: {program} returns {len(outs)} values; a pipeline's block returns one "
+                             f"(its next layer's {input!r})")
+        self.output = outs[0]
+        self.replicated = q.type.layout.kind == "replicated"
+        self.scalars = [q.name for q in p.params if q.scalar]
+        self.weights = [n for n in self.params if n != input and n not in self.scalars]
+
+    @staticmethod
+    def _sched(fn: Any, schedule: str) -> str:
+        """SCHEDULE where FN has it, else the default (a grad schedule that does not apply to
+        the split programs: they run unscheduled)."""
+        return schedule if schedule in fn.schedules else "default"
+
+    def layer(self, params: dict[str, torch.Tensor], **scalars: Any) -> Layer:
+        """One layer of this block: its weights (this rank's parts, leaf tensors whose `.grad`
+        the pipeline fills) and scalars."""
+        missing = [n for n in self.weights if n not in params] + [n for n in self.scalars if n not in scalars]
+        if missing:
+            raise TypeError(f"Block.layer: {self.program} needs {missing[0]!r}")
+        extra = sorted(set(params) - set(self.weights)) + sorted(set(scalars) - set(self.scalars))
+        if extra:
+            raise TypeError(f"Block.layer: {self.program} has no parameter {extra[0]!r} (its weights: "
+                            f"{', '.join(self.weights)}; scalars: {', '.join(self.scalars)})")
+        return Layer(self, params, scalars)
+
+
+@dataclass
+class Layer:
+    """One call of a Block in a chunk, with its weights and scalars."""
+
+    block: Block
+    params: dict[str, torch.Tensor]
+    scalars: dict[str, Any]
+    saved: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> saved values
+    kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> B's kept values
+
+    def _args(self) -> dict[str, Any]:
+        return {**{n: t.detach() for n, t in self.params.items()}, **self.scalars}
+
+    def _call(self, fn: Any, schedule: str, **kw: Any) -> dict[str, torch.Tensor]:
+        b = self.block
+        out = fn(schedule=b._sched(fn, schedule), comm=b.comm, **kw)
+        outs = out if isinstance(out, tuple) else (out,)
+        return dict(zip([pub for pub, _ in fn.program_of(parse(b._sched(fn, schedule))).outputs], outs))
+
+    def forward(self, m: int, x: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        out = self._call(b.fwd, b.schedule, **self._args(), **{b.input: x})
+        self.saved[m] = {k[len("saved_"):]: v for k, v in out.items() if k.startswith("saved_")}
+        self.saved[m][b.input] = x
+        return out[b.output]
+
+    def _bwd_args(self, m: int, dy: torch.Tensor) -> dict[str, Any]:
+        b = self.block
+        return {**self._args(), **self.saved[m], f"d_{b.output}": dy.contiguous()}
+
+    def backward(self, m: int, dy: torch.Tensor, split: bool) -> torch.Tensor:
+        """The input's gradient; the weights' too unless SPLIT (then weight() makes them)."""
+        b = self.block
+        if not split:
+            out = self._call(b.bwd, b.grad_schedule, **self._bwd_args(m, dy))
+            self.saved.pop(m)
+            self._accumulate(out)
+            return out[f"d_{b.input}"]
+        out = self._call(b.bwd_input, b.grad_schedule, **self._bwd_args(m, dy))
+        self.kept[m] = {k[len("kept_"):]: v for k, v in out.items() if k.startswith("kept_")}
+        self.kept[m][f"d_{b.output}"] = dy
+        self._accumulate({k: v for k, v in out.items() if not k.startswith("kept_")})
+        return out[f"d_{b.input}"]
+
+    def weight(self, m: int) -> None:
+        b = self.block
+        kept = self.kept.pop(m)
+        out = self._call(b.bwd_weight, b.grad_schedule, **self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept)
+        self.saved.pop(m)
+        self._accumulate(out)
+
+    def _accumulate(self, grads: dict[str, torch.Tensor]) -> None:
+        for n, t in self.params.items():
+            g = grads.get(f"d_{n}")
+            if g is None:
+                continue
+            if t.grad is None:
+                t.grad = g.to(t.dtype).reshape(t.shape).clone()
+            else:
+                t.grad += g.reshape(t.shape)
+
+
+@dataclass
+class Chunk:
+    """What one virtual stage computes on this rank: PRE (a torch callable: the micro-batch's
+    input -> the first layer's input; the first stage only), LAYERS (coconet layers, in order),
+    POST (a torch callable: the last layer's output -> what loss_fn takes; the last stage
+    only)."""
+
+    layers: Sequence[Layer] = ()
+    pre: Callable[[Any], torch.Tensor] | None = None
+    post: Callable[[torch.Tensor], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action as it ran on this rank (perf_counter seconds since the step began)."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+class Pipeline:
+    """A pipeline of P stages (the ranks of COMM, in rank order; each the rank of its stage's
+    tensor-parallel group at this rank's position) running ORDER (a name of
+    coconetc.pipeline.orders.ORDERS, or an Order) over MICROBATCHES micro-batches; CHUNKS: this
+    rank's virtual stages (one, or V for the interleaved order: chunk c is virtual stage
+    c * P + rank). loss_fn(output, target) -> the micro-batch's loss (mean over its rows);
+    tp_comm: the stage's tensor-parallel group (for the sliced boundary), None for one rank."""
+
+    def __init__(self, chunks: Sequence[Chunk], order: str | _orders.Order, *, microbatches: int, comm: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, tp_comm: Any = None):
+        self.comm, self.tp_comm = comm, tp_comm
+        self.rank, self.ranks = comm.Get_rank(), comm.Get_size()
+        self.chunks = list(chunks)
+        if isinstance(order, _orders.Order):
+            self.order = order
+        else:
+            self.order = _orders.make(order, self.ranks, microbatches, len(self.chunks))
+        _orders.check(self.order)
+        if (self.order.ranks, self.order.microbatches, self.order.chunks) != (self.ranks, microbatches, len(self.chunks)):
+            raise ValueError(f"Pipeline: order {self.order.name} is for {self.order.ranks} ranks, "
+                             f"{self.order.microbatches} micro-batches and {self.order.chunks} chunks; this "
+                             f"pipeline has {self.ranks}, {microbatches} and {len(self.chunks)}")
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        last = self.order.place(self.order.stages - 1)
+        if self.rank == last[0] and loss_fn is None:
+            raise ValueError("Pipeline: the last stage needs loss_fn")
+        self.events: list[Event] = []
+
+    # --- messages between stages -----------------------------------------------------------
+    def _tag(self, kind: str, m: int, stage: int) -> int:
+        return ((_KINDS[kind] * 1024 + m) * 256 + stage) * 2
+
+    def _sliced(self, layers: Sequence[Layer]) -> bool:
+        return bool(self.tp_comm is not None and self.tp_comm.Get_size() > 1 and layers and layers[0].block.replicated)
+
+    def _send(self, t: torch.Tensor, to: int, tag: int, sliced: bool) -> None:
+        if sliced:  # this rank's rows of the sequence (dim 1): the receiving group gathers them
+            r, n = self.tp_comm.Get_rank(), self.tp_comm.Get_size()
+            t = torch.tensor_split(t, n, dim=1)[r]
+        a = np.ascontiguousarray(t.detach().cpu().numpy())
+        if a.dtype.type not in _DTYPES or a.ndim > _HEADER - 2:
+            raise TypeError(f"Pipeline: a stage sends a {a.ndim}-d {t.dtype} tensor; between stages go float32, "
+                            "float64 or float16 tensors of at most 8 dims")
+        head = np.zeros(_HEADER, np.int64)
+        head[:2] = _DTYPES.index(a.dtype.type), a.ndim
+        head[2:2 + a.ndim] = a.shape
+        self._pending.append(self.comm.Isend(head, dest=to, tag=tag))
+        self._pending.append(self.comm.Isend(a, dest=to, tag=tag + 1))
+        self._keep.append((head, a))
+
+    def _recv(self, frm: int, tag: int, sliced: bool) -> torch.Tensor:
+        head = np.empty(_HEADER, np.int64)
+        self.comm.Recv(head, source=frm, tag=tag)
+        a = np.empty(tuple(int(d) for d in head[2:2 + head[1]]), dtype=_DTYPES[head[0]])
+        self.comm.Recv(a, source=frm, tag=tag + 1)
+        if sliced:
+            parts = self.tp_comm.allgather(a)
+            a = np.concatenate(parts, axis=1)
+        return torch.from_numpy(a)
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self, x: Any = None, target: Any = None) -> float | None:
+        """One step over the batch: X (the first stage's ranks: its first dim the batch, cut into
+        `microbatches` equal parts) and TARGET (the last stage's, cut the same way). Leaves each
+        parameter's gradient of the batch's mean loss in `.grad` (added to what is there, as
+        torch's backward does); returns the mean loss on the last stage's ranks, None elsewhere.
+        `events` holds what ran when."""
+        from mpi4py import MPI
+        M, order = self.microbatches, self.order
+        first, last = order.place(0)[0], order.place(order.stages - 1)[0]
+        self._xs = self._cut("x", x, M) if self.rank == first else []
+        self._ts = self._cut("target", target, M) if self.rank == last else []
+        self._pending: list[Any] = []
+        self._keep: list[Any] = []
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> what its backward starts from
+        self._losses: list[float] = []
+        self.events = []
+        t0 = time.perf_counter()
+        for act in order.actions[self.rank]:
+            start = time.perf_counter() - t0
+            if act.kind == F:
+                self._forward(act)
+            elif act.kind == B:
+                self._backward(act)
+            else:
+                for layer in self.chunks[act.chunk].layers:
+                    layer.weight(act.microbatch)
+            self.events.append(Event(act.kind, act.microbatch, act.chunk, start, time.perf_counter() - t0))
+        MPI.Request.Waitall(self._pending)
+        self._pending, self._keep = [], []
+        return sum(self._losses) / M if self.rank == last else None
+
+    def _forward(self, act: _orders.Action) -> None:
+        order, chunk, key = self.order, self.chunks[act.chunk], (act.chunk, act.microbatch)
+        stage = order.stage(self.rank, act.chunk)
+        if stage == 0:
+            h: Any = self._xs[act.microbatch]
+            if chunk.pre is not None:
+                h = chunk.pre(h)
+                self._outputs[key] = h
+                h = h.detach()
+        else:
+            prev = order.place(stage - 1)[0]
+            h = self._recv(prev, self._tag(F, act.microbatch, stage), self._sliced(chunk.layers))
+        for layer in chunk.layers:
+            h = layer.forward(act.microbatch, h)
+        if stage < order.stages - 1:
+            nxt = order.place(stage + 1)[0]
+            self._send(h, nxt, self._tag(F, act.microbatch, stage + 1), self._sliced(self._next_layers(stage)))
+            return
+        leaf = h.detach().requires_grad_(True)
+        out = chunk.post(leaf) if chunk.post is not None else leaf
+        assert self.loss_fn is not None
+        loss = self.loss_fn(out, self._ts[act.microbatch])
+        self._losses.append(float(loss.detach()))
+        self._outputs[key] = loss / self.microbatches
+        self._inputs[key] = leaf
+
+    def _backward(self, act: _orders.Action) -> None:
+        order, chunk, key = self.order, self.chunks[act.chunk], (act.chunk, act.microbatch)
+        stage = order.stage(self.rank, act.chunk)
+        g: torch.Tensor | None
+        if stage == order.stages - 1:
+            leaf = self._inputs.pop(key)
+            self._outputs.pop(key).backward()
+            g = leaf.grad
+        else:
+            nxt = order.place(stage + 1)[0]
+            g = self._recv(nxt, self._tag(B, act.microbatch, stage), self._sliced(self._next_layers(stage)))
+        assert g is not None
+        for layer in reversed(chunk.layers):
+            g = layer.backward(act.microbatch, g, order.split_backward)
+        if stage > 0:
+            prev = order.place(stage - 1)[0]
+            self._send(g, prev, self._tag(B, act.microbatch, stage - 1), self._sliced(chunk.layers))
+        elif key in self._outputs:  # the torch part before the first layer
+            self._outputs.pop(key).backward(g)
+
+    def _next_layers(self, stage: int) -> Sequence[Layer]:
+        """The layers of virtual stage STAGE + 1 (the same block on every stage: this rank's
+        own chunks stand for it)."""
+        return self.chunks[0].layers or next((c.layers for c in self.chunks if c.layers), ())
+
+    def _cut(self, what: str, v: Any, M: int) -> list[Any]:
+        if v is None:
+            raise ValueError(f"Pipeline.step: this rank holds a stage that needs {what}=")
+        n = v.shape[0]
+        if n % M:
+            raise ValueError(f"Pipeline.step: {what}'s batch of {n} rows does not divide into "
+                             f"microbatches={M} equal micro-batches (use a batch that is a multiple of {M})")
+        return list(torch.split(v, n // M)) if isinstance(v, torch.Tensor) else np.split(v, M)
