@@ -4,8 +4,8 @@ simulated to give a timeline, its bubble and its peak activations.
 
 A bottom layer: it imports nothing from coconetc. The runtime (`coconetc/torch/pipeline.py`)
 runs each rank's list strictly in order, with non-blocking sends and blocking receives;
-`check` and `simulate` use exactly those rules, so an order that passes `check` cannot hang
-there, and `simulate` gives the time it takes under given `Costs`.
+`check` and `simulate` use exactly those rules, so an order that passes `check` cannot hang a
+runtime that keeps them, and `simulate` gives the time it takes under given `Costs`.
 
 The orders (P ranks, M micro-batches, V model chunks per rank):
 
