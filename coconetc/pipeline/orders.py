@@ -4,8 +4,8 @@ simulated to give a timeline, its bubble and its peak activations.
 
 A bottom layer: it imports nothing from coconetc. The runtime (`coconetc/torch/pipeline.py`)
 runs each rank's list strictly in order, with non-blocking sends and blocking receives;
-`check` and `simulate` use exactly those rules, so an order that passes `check` cannot hang
-there, and `simulate` gives the time it takes under given `Costs`.
+`check` and `simulate` use exactly those rules, so an order that passes `check` cannot hang a
+runtime that keeps them, and `simulate` gives the time it takes under given `Costs`.
 
 The orders (P ranks, M micro-batches, V model chunks per rank):
 
@@ -379,6 +379,12 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
     return (P - 1) / (M + P - 1)
 
 
+def _label(order: Order, action: Action) -> str:
+    """`F3`; `F3.1` (chunk 1) in an order with chunks."""
+    chunk = f".{action.chunk}" if order.chunks > 1 else ""
+    return f"{action.kind}{action.microbatch}{chunk}"
+
+
 def render(timeline: Timeline, width: int = 100) -> str:
     """A text chart: a row per rank, time scaled to `width` columns, `.` idle. Each action is its
     label (`F3`, or `F3.1` for chunk 1 of an interleaved order) padded with blanks over its
@@ -392,8 +398,8 @@ def render(timeline: Timeline, width: int = 100) -> str:
         a = min(round(s.start * scale), width - 1)
         b = max(min(round(s.end * scale), width), a + 1)
         act = s.action
-        label = f"{act.kind}{act.microbatch}" + (f".{act.chunk}" if order.chunks > 1 else "")
-        cells.append((s.rank, a, b, label, act.kind if act.chunk == 0 else act.kind.lower()))
+        letter = act.kind if act.chunk == 0 else act.kind.lower()
+        cells.append((s.rank, a, b, _label(order, act), letter))
     labels = all(len(label) <= b - a for _, a, b, label, _ in cells)
     rows = [["."] * width for _ in range(order.ranks)]
     for rank, a, b, label, letter in cells:
@@ -418,7 +424,8 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
 def chart(timeline: Timeline, path: str) -> None:
-    """A PNG Gantt chart of the timeline at `path`: a row per rank, colored by kind."""
+    """A PNG Gantt chart of the timeline at `path`: a row per rank, colored by kind (paler for
+    later chunks), each action labelled as in `render`."""
     try:
         import matplotlib
     except ImportError as e:
@@ -428,12 +435,14 @@ def chart(timeline: Timeline, path: str) -> None:
     import matplotlib.pyplot as plt
 
     order = timeline.order
-    fig, ax = plt.subplots(figsize=(max(6.0, timeline.makespan * 0.25), 0.5 * order.ranks + 1.2))
+    fig, ax = plt.subplots(figsize=(min(24.0, max(6.0, timeline.makespan * 0.25)),
+                                    0.5 * order.ranks + 1.2))
     for s in timeline.slots:
-        ax.barh(s.rank, s.end - s.start, left=s.start, height=0.8,
-                color=COLORS.get(s.action.kind, "gray"), edgecolor="white")
-        ax.text((s.start + s.end) / 2, s.rank, str(s.action), ha="center", va="center",
-                fontsize=7, color="white")
+        ax.barh(s.rank, s.end - s.start, left=s.start, height=0.8, edgecolor="white",
+                color=COLORS.get(s.action.kind, "gray"),
+                alpha=1.0 - 0.45 * s.action.chunk / max(1, order.chunks - 1))
+        ax.text((s.start + s.end) / 2, s.rank, _label(order, s.action), ha="center",
+                va="center", fontsize=6, color="white")
     ax.set_yticks(range(order.ranks), [f"rank {r}" for r in range(order.ranks)])
     ax.invert_yaxis()
     ax.set_xlim(0, timeline.makespan)
@@ -441,8 +450,9 @@ def chart(timeline: Timeline, path: str) -> None:
     ax.set_title(f"{order.name}: P={order.ranks}, M={order.microbatches}"
                  + (f", V={order.chunks}" if order.chunks > 1 else "")
                  + f"; bubble {timeline.bubble():.1%}")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
-              labels=list(COLORS), loc="upper right", fontsize=7)
+    kinds = [k for k in COLORS if any(s.action.kind == k for s in timeline.slots)]
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds],
+              labels=kinds, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
