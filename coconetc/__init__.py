@@ -24,7 +24,9 @@ def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), lib
     include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
     is searched for headers too). grad: the names of programs (or one name) whose derived
-    programs the module holds too: `<p>_grad`, `<p>_fwd`, `<p>_bwd` (docs/autodiff.md).
+    programs the module holds too: `<p>_grad`, `<p>_fwd`, `<p>_bwd` (docs/autodiff.md); "p:x"
+    also `<p>_bwd_input` and `<p>_bwd_weight`, the backward cut at the gradient of input x (a
+    pipeline's zero-bubble B and W: docs/pipeline.md).
     With COCONET_CUDA_EMULATE=1, backend="cuda" builds for the host emulation (CPU tensors).
     PATH may name an example program that ships with coconet by its file name alone (no such
     file here): "adamw.ccn", "lamb.ccn", "tp_mlp.ccn" (coconetc.paths.examples_dir())."""

@@ -162,6 +162,12 @@ def test_the_tracing_page_runs_as_written(tmp_path: Path, doc_env: dict[str, str
     assert [p.name for p in (tmp_path / "traces_block").iterdir()] == ["trace.rank0.json"]
 
 
+def test_the_pipeline_page_runs_as_written(tmp_path: Path, doc_env: dict[str, str]) -> None:
+    """docs/pipeline.md: the orders' timelines; two layers trained in a pipeline, on 1 and on 2
+    ranks, checked against one process by the script itself."""
+    _run_pages([REPO / "docs" / "pipeline.md"], tmp_path, doc_env)
+
+
 # A repository path in backticks: under a top-level directory, or a top-level file.
 NAMED_PATH = re.compile(r"`((?:coconetc|runtime_cpp|tests|examples|bench|docs|grammar|cmake|\.ci)/[\w./-]*"
                         r"|Makefile|pyproject\.toml|README\.md|CMakeLists\.txt)(?::[\w.]+)?[`:\s]")
