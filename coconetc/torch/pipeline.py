@@ -195,21 +195,60 @@ class Pipeline:
         self.comm, self.tp_comm = comm, tp_comm
         self.rank, self.ranks = comm.Get_rank(), comm.Get_size()
         self.chunks = list(chunks)
-        if isinstance(order, _orders.Order):
-            self.order = order
-        else:
-            self.order = _orders.make(order, self.ranks, microbatches, len(self.chunks))
-        _orders.check(self.order)
-        if (self.order.ranks, self.order.microbatches, self.order.chunks) != (self.ranks, microbatches, len(self.chunks)):
-            raise ValueError(f"Pipeline: order {self.order.name} is for {self.order.ranks} ranks, "
-                             f"{self.order.microbatches} micro-batches and {self.order.chunks} chunks; this "
-                             f"pipeline has {self.ranks}, {microbatches} and {len(self.chunks)}")
         self.microbatches = microbatches
         self.loss_fn = loss_fn
-        last = self.order.place(self.order.stages - 1)
-        if self.rank == last[0] and loss_fn is None:
-            raise ValueError("Pipeline: the last stage needs loss_fn")
         self.events: list[Event] = []
+        tp = 1 if tp_comm is None else tp_comm.Get_size()
+        self._tp_sizes = comm.allgather(tp)
+        self.order = self._agree(lambda: self._checked(order))
+
+    def _checked(self, order: str | _orders.Order) -> _orders.Order:
+        M, V = self.microbatches, len(self.chunks)
+        got = order if isinstance(order, _orders.Order) else _orders.make(order, self.ranks, M, V)
+        _orders.check(got)
+        if (got.ranks, got.microbatches, got.chunks) != (self.ranks, M, V):
+            raise ValueError(f"Pipeline: order {got.name} is for {got.ranks} ranks, {got.microbatches} "
+                             f"micro-batches and {got.chunks} chunks a rank; this pipeline has {self.ranks} "
+                             f"ranks (comm), microbatches={M} and {V} chunks on rank {self.rank}")
+        if M > 1024 or got.stages > 256:
+            raise ValueError(f"Pipeline: at most 1024 micro-batches and 256 virtual stages, got microbatches={M} "
+                             f"and {got.stages} stages")
+        for c, chunk in enumerate(self.chunks):
+            stage = got.stage(self.rank, c)
+            if not chunk.layers and chunk.pre is None and chunk.post is None:
+                raise ValueError(f"Pipeline: virtual stage {stage} (rank {self.rank}, chunk {c}) has no layers: "
+                                 "give every stage at least one layer (fewer stages, or more layers)")
+            if chunk.pre is not None and stage != 0:
+                raise ValueError(f"Pipeline: chunk {c} of rank {self.rank} has pre= but is virtual stage {stage}; "
+                                 "only stage 0 (rank 0, chunk 0) runs one")
+            if chunk.post is not None and stage != got.stages - 1:
+                raise ValueError(f"Pipeline: chunk {c} of rank {self.rank} has post= but is virtual stage {stage}; "
+                                 f"only the last, {got.stages - 1}, runs one")
+        if self.rank == got.place(got.stages - 1)[0] and self.loss_fn is None:
+            raise ValueError(f"Pipeline: rank {self.rank} holds the last stage and needs loss_fn=")
+        sizes = self._tp_sizes
+        if len(set(sizes)) > 1:
+            raise ValueError(f"Pipeline: the stages' tensor-parallel groups (tp_comm) differ in size: "
+                             f"{', '.join(f'rank {r}: {n}' for r, n in enumerate(sizes))}; every stage needs "
+                             "a group of the same size")
+        return got
+
+    def _agree(self, what: Callable[[], Any]) -> Any:
+        """WHAT's value, or its error raised on every rank of the pipeline (each rank's first,
+        naming the rank), before any of them communicates further. WHAT must not communicate
+        (a rank that raised would skip its collectives)."""
+        try:
+            value, err = what(), None
+        except (ValueError, TypeError) as e:
+            value, err = None, e
+        said = self.comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
+        bad = [(r, m) for r, m in enumerate(said) if m is not None]
+        if bad:
+            if err is not None:
+                raise err
+            r, m = bad[0]
+            raise ValueError(f"Pipeline: rank {r} refused: {m}")
+        return value
 
     # --- messages between stages -----------------------------------------------------------
     def _tag(self, kind: str, m: int, stage: int) -> int:
@@ -253,8 +292,8 @@ class Pipeline:
         from mpi4py import MPI
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
-        self._xs = self._cut("x", x, M) if self.rank == first else []
-        self._ts = self._cut("target", target, M) if self.rank == last else []
+        self._xs, self._ts = self._agree(lambda: (self._cut("x", x, M) if self.rank == first else [],
+                                                  self._cut("target", target, M) if self.rank == last else []))
         self._pending: list[Any] = []
         self._keep: list[Any] = []
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
@@ -329,7 +368,7 @@ class Pipeline:
 
     def _cut(self, what: str, v: Any, M: int) -> list[Any]:
         if v is None:
-            raise ValueError(f"Pipeline.step: this rank holds a stage that needs {what}=")
+            raise ValueError(f"Pipeline.step: rank {self.rank} holds a stage that needs {what}=")
         n = v.shape[0]
         if n % M:
             raise ValueError(f"Pipeline.step: {what}'s batch of {n} rows does not divide into "

@@ -1,0 +1,68 @@
+"""Rank worker for tests/test_pipeline.py: coconetc.torch.pipeline's refusals and a rank that
+fails mid-step, on 2 ranks (one layer of examples/gpt_block.ccn a stage).
+
+    refusals  each bad input raises on every rank, before any message between the stages, and
+              the pipeline still runs a good step after them: prints `CASE ok: MESSAGE` a case
+    dies      rank 1's loss raises in the middle of a step (rank 0 waits for its gradient)"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from coconetc.torch.pipeline import Block, Chunk, Pipeline
+
+GPT_BLOCK = Path(__file__).resolve().parents[1] / "examples" / "gpt_block.ccn"
+B, S, H, NH, F = 8, 4, 8, 2, 16
+
+
+def layer(block: Block, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"ln1_w": [H], "ln1_b": [H], "wq": [H, NH, H // NH], "bq": [NH, H // NH], "wk": [H, NH, H // NH],
+              "wv": [H, NH, H // NH], "bv": [NH, H // NH], "wo": [NH, H // NH, H], "bo": [H], "ln2_w": [H],
+              "ln2_b": [H], "w_fc": [H, F], "b_fc": [F], "w_proj": [F, H], "b_proj": [H]}
+    ws = {n: (torch.randn(*s, generator=g) * 0.1).requires_grad_(True) for n, s in shapes.items()}
+    return block.layer(ws, scale=1 / math.sqrt(H // NH), pdrop=0.0, seed=seed)
+
+
+def mse(y, t):
+    return ((y - t) ** 2).mean()
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    block = Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF)
+    chunk = Chunk([layer(block, rank)])
+    x, t = torch.randn(B, S, H), torch.randn(B, S, H)
+    if mode == "dies":
+        def loss(y, tt):
+            raise ZeroDivisionError("the loss failed on purpose")
+        Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=loss).step(x, t)
+        return
+    cases = {
+        "batch": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x[:6], t),
+        "empty": lambda: Pipeline([chunk if rank == 0 else Chunk([])], "1f1b", microbatches=4, comm=comm,
+                                  loss_fn=mse),
+        "loss": lambda: Pipeline([chunk], "gpipe", microbatches=4, comm=comm),
+        "chunks": lambda: Pipeline([chunk], "interleaved", microbatches=4, comm=comm, loss_fn=mse),
+        "target": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, None),
+    }
+    for name, case in cases.items():
+        try:
+            case()
+        except (ValueError, TypeError) as err:
+            print(f"{name} ok: {err}", flush=True)
+        else:
+            print(f"{name} NOT REFUSED", flush=True)
+    loss = Pipeline([chunk], "zero_bubble", microbatches=4, comm=comm, loss_fn=mse).step(x, t)
+    print(f"step ok: {loss if rank == 1 else 'sent'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
