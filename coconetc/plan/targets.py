@@ -132,7 +132,7 @@ def _index_views(plan: Plan, views: dict[str, str]) -> dict[str, tuple[str, int]
         if dst.kind == "scratch" and not dst.shared and not dst.unallocated and dst.name not in sent \
                 and dst.name not in views and src.name not in views and src.kind in ("scratch", "param") \
                 and src.name not in updated and src.type.dtype == dst.type.dtype:
-            rows[dst.name] = (src.name, int(dict(u.attrs)["i"]))
+            rows[dst.name] = (src.name, int(dict(u.attrs)["i"]))  # type: ignore[call-overload]
     return rows
 
 
