@@ -121,11 +121,30 @@ def test_compiled_against_the_interpreter(backend):
     sizes = [f"--size={k}={v}" for k, v in dict(B=B, H=H, F=F).items()]
     progs = ("model", "model_grad", "model_calls") if backend == "cpu" else ("model", "model_grad")
     extra = ["--emulate-cuda"] if backend == "emulate" else []
-    out = run_jobs(2, [[str(MODEL), "--program", p, "--grad-of", "model", "--reps", "1", *sizes, *extra]
-                       for p in progs])
+    scheds = {"model": ["default", "split0"]}
+    out = run_jobs(2, [[str(MODEL), "--program", p, "--grad-of", "model", "--reps", "1", *sizes, *extra,
+                        *(f"--schedule={s}" for s in scheds.get(p, ["default"]))] for p in progs])
     label = r" \(CUDA, host emulation\)" if extra else ""
     for p in progs:
-        assert re.search(rf"^{p} \[default\]{label}: 2 ranks: .* matches the interpreter on every rank", out, re.M), out
+        for s in scheds.get(p, ["default"]):
+            assert re.search(rf"^{p} \[{s}\]{label}: 2 ranks: .* matches the interpreter on every rank", out, re.M), out
+
+
+def test_printed_programs_read_back(mod):
+    """The inlined program (index included), its schedule and its derived program (unindex)
+    print as text that checks back to the same stages."""
+    from coconetc.autodiff.text import check_text
+    from coconetc.ir.printer import program as printed
+    for p in (mod.program("model"), mod.schedule("model", "split0").ir, vjp(mod.program("model"))):
+        assert check_text(printed(p))[p.name].stages == p.stages, p.name
+
+
+def test_the_schedule_computes_the_program(mod):
+    a = _inputs(5, p=0.3)
+    for ranks in (1, 2):
+        want = joined(run(mod.program("model"), rank_parts(a, ranks, SLICED)), "y", None)
+        got = joined(run(mod.schedule("model", "split0").ir, rank_parts(a, ranks, SLICED)), "y", None)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 # --- gpt_block_sp repeated over 2 layers (f64: the f32 block has a known small mismatch) ---------
