@@ -269,3 +269,24 @@ def test_stacked_dims_that_disagree():
 def test_the_language_reference_shows_the_tested_example():
     doc = (HERE.parent / "docs" / "language.md").read_text()
     assert MODEL.read_text().split("\n", 3)[3] in doc
+
+
+def test_the_backward_recomputes_the_layers_of_the_stacked_parameters(mod):
+    """The derived program cut at the saved values (autodiff/saved.py): the layers index(w, l)
+    are recomputed by the backward (views of w), not saved; forward then backward give the
+    derived program's gradients."""
+    from coconetc.sourcefile import with_grads
+    m = with_grads(mod, ["model"])
+    fwd, bwd = m.program("model_fwd"), m.program("model_bwd")
+    saved = [pub.removeprefix("saved_") for pub, _ in fwd.outputs[1:]]
+    assert saved and not [s for s in saved if re.fullmatch(r"y__l\d__(w1|b1|w2|g)", s)], saved
+    a, dy = _inputs(6), np.random.default_rng(7).standard_normal((B, H))
+    f = run(fwd, rank_parts(a, 2, SLICED))
+    parts = rank_parts({**a, "d_y": dy}, 2, SLICED)
+    for r, res in enumerate(f):
+        parts[r].update({s: res.outputs[f"saved_{s}"] for s in saved})
+    got, want = run(bwd, parts), run(m.program("model_grad"), rank_parts({**a, "d_y": dy}, 2, SLICED))
+    for pub, _ in m.program("model_grad").outputs:
+        k = pub.removeprefix("d_")
+        np.testing.assert_allclose(joined(got, pub, SLICED.get(k)), joined(want, pub, SLICED.get(k)), rtol=1e-12,
+                                   atol=1e-14, err_msg=pub)
