@@ -196,7 +196,9 @@ def test_gpt_block_repeated_is_the_block_twice(gpt_file):
     np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # a build of its own (about 30 s cold); test_compiled_against_the_interpreter compiles the same paths
 def test_gpt_block_repeated_compiled_on_2_ranks(gpt_file):
+    """gpt2 compiled (CPU) against the interpreter on 2 ranks, random inputs with dropout."""
     sizes = [f"--size={k}={v}" for k, v in GDIMS.items()]
     out = run_jobs(2, [[str(gpt_file), "--program", "gpt2", "--reps", "1", *sizes]])
     assert re.search(r"^gpt2 \[default\]: 2 ranks: .* matches the interpreter on every rank", out, re.M), out
