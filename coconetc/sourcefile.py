@@ -18,7 +18,7 @@ from coconetc.errors import CompileError, Diagnostic
 from coconetc.frontend import syntax
 from coconetc.frontend import externs
 from coconetc.frontend.checker import check_program
-from coconetc.frontend.defs import Scope, check_defs
+from coconetc.frontend.defs import Scope, check_defs, programs_of
 from coconetc.frontend.parser import parse
 from coconetc.ir import ops
 from coconetc.ir.nodes import Program
@@ -115,6 +115,7 @@ def _checked(mod: SourceFile, tree) -> SourceFile:
     errors += found
     scope.failed |= {e.name for e in tree.externs if e.name not in mod.externs}
     scope.externs = set(mod.externs)
+    scope.programs = programs_of(tree)
     for i, prog in enumerate(tree.programs):
         _collect(errors, _program, mod, prog, tree.programs[:i], scope)
     for sched in tree.schedules:

@@ -11,6 +11,8 @@ give matmul's operand gradients, and the sum over leading dims that undoes broad
 - `conv2d_dx(g, w, x, stride, padding)`, `conv2d_dw(x, g, w, stride, padding)`: conv2d's
   operand gradients (the transposed convolution and the weight's correlation); the third
   operand gives only the result's shape.
+- `unindex(g, i=l, n=L)`: [L, *g.shape], g at row l and zeros elsewhere: the gradient of
+  `index(w, l)` (a layer of a stacked parameter); the layers' contributions are added.
 - `mean_last(x)`: the mean over the last dim, kept as a dim of size 1 ([..., H] -> [..., 1]):
   layernorm's statistics (where eps itself is differentiated).
 - `layernorm_dx(x, gamma, g, eps)`: layernorm's input gradient, rstd * (dxhat - mean(dxhat) -
@@ -95,6 +97,17 @@ def _lead_layout(lay: Layout, n: int) -> Layout:
     if lay.sliced:
         return sliced(lay.dim - n) if lay.dim >= n else LOCAL
     return lay
+
+
+def _unindex(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    """unindex(g, i, n): [n, *g.shape], g at row i and zeros elsewhere (index's gradient); g's
+    slice along dim d is the result's along d + 1."""
+    (g,) = args
+    t, i, n = g.type, attrs["i"], attrs["n"]
+    if not 0 <= i < n:
+        raise tr.TypeErr(span, f"unindex {i} is out of range for a dim of size {n}")
+    lay = sliced(t.layout.dim + 1) if t.layout.sliced else t.layout
+    return TType(t.dtype, (n, *t.shape), lay)
 
 
 def _mean_last(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
@@ -217,6 +230,12 @@ def _np_tn(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray(a.reshape(m, a.shape[-1]).T @ b.reshape(m, b.shape[-1]))
 
 
+def _np_unindex(g: np.ndarray, i: int, n: int) -> np.ndarray:
+    out = np.zeros((n, *g.shape), dtype=g.dtype)
+    out[i] = g
+    return out
+
+
 def _np_sum_lead(x: np.ndarray, n: int) -> np.ndarray:
     return np.asarray(x.sum(axis=tuple(range(n)), dtype=x.dtype))
 
@@ -267,6 +286,9 @@ DEFS = (
               numpy=_np_conv_dx, fusable=False, cost=ops.Cost(2, inner=True), doc="conv2d's input gradient"),
     ops.OpDef("conv2d_dw", "tensor", (ops.Arg("x"), ops.Arg("g"), ops.Arg("w"), *_CONV), _conv_dw, ops.NEVER,
               numpy=_np_conv_dw, fusable=False, cost=ops.Cost(2, inner=True), doc="conv2d's weight gradient"),
+    ops.OpDef("unindex", "tensor", (ops.Arg("g"), ops.Arg("i", "int"), ops.Arg("n", "int", minimum=1)), _unindex,
+              ops.NEVER, numpy=_np_unindex, fusable=False, cost=ops.Cost(0),
+              doc="[n, *g.shape]: g at row i, zeros elsewhere (index's gradient)"),
     ops.OpDef("mean_last", "tensor", ops.X, _mean_last, ops.ROWS, numpy=_np_mean_last,
               doc="the mean over the last dim, kept as a dim of size 1"),
     ops.OpDef("layernorm_dx", "tensor", (ops.Arg("x"), ops.Arg("gamma"), ops.Arg("g"), ops.Arg("eps", literal="f32")),

@@ -5,7 +5,8 @@ reads them instead of computing them again.
 g = vjp(p) computes p's values before its cotangents (the values the backward reads). split(p,
 g) chooses which of them the forward saves: every value the backward reads that is one of p's
 own stages and not 0-d (the stages a schedule of p names, so that p's schedules apply to the
-saving forward unchanged); the rest (operations the derivation gave a stage of their own, such
+saving forward unchanged), except a layer of a stacked parameter (`index(w, i)`: a view of w);
+the rest (operations the derivation gave a stage of their own, such
 as the `a + b1` inside `gelu(a + b1)`, and 0-d values) are recomputed by the backward from the
 saved values and the inputs.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coconetc.autodiff.vjp import cotangent_params, live, recomputed
-from coconetc.ir.expr import refs
+from coconetc.ir.expr import Op, Ref, refs
 from coconetc.ir.nodes import Param, Program
 
 
@@ -57,7 +58,7 @@ def split(p: Program, g: Program) -> Split:
     def need(name: str) -> None:
         if name not in forward or name in saved or name in again:
             return
-        if name in own and g.stage_named(name).type.ndim > 0:
+        if name in own and g.stage_named(name).type.ndim > 0 and not _layer_of_param(g.stage_named(name).expr, p):
             saved.append(name)
             return
         again.add(name)
@@ -76,6 +77,13 @@ def split(p: Program, g: Program) -> Split:
     params = (*g.params[:n], *(Param(v, g.stage_named(v).type) for v in order), *g.params[n:])
     bwd = replace(g, name=bwd_name(p.name), params=params, stages=tuple(live(kept, g.outputs)))
     return Split(fwd, bwd, tuple(order), tuple(s.name for s in bwd.stages if s.name in again))
+
+
+def _layer_of_param(e: object, p: Program) -> bool:
+    """index(w, i) of a parameter w (a layer of a stacked parameter, repeat): recomputed by the
+    backward, where it is a view of w (plan/targets.py), rather than saved (a copy of the layer
+    returned by the forward)."""
+    return isinstance(e, Op) and e.op == "index" and isinstance(e.args[0], Ref) and p.param(e.args[0].name) is not None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from coconetc.autodiff import ops as _gradops  # noqa: F401  (the derived programs' operations)
 from coconetc.errors import CompileError
 from coconetc.frontend.checker import check_program
-from coconetc.frontend.defs import check_defs
+from coconetc.frontend.defs import check_defs, programs_of
 from coconetc.frontend.parser import parse
 from coconetc.ir import ops
 from coconetc.ir.nodes import Op, Program, walk
@@ -22,6 +22,7 @@ def check_text(source: str, file: str = "<grad>") -> dict[str, Program]:
     scope, errors = check_defs(tree)
     if errors:
         raise CompileError(errors)
+    scope.programs = programs_of(tree)
     # each declaration the text holds is the entry the printer wrote it from (ops.py: one name
     # may have several entries, one per declaration)
     externs = {e.name: d for e in tree.externs for d in ops.REGISTRY.values()

@@ -558,6 +558,8 @@ RULES: dict[str, Rule] = {
     "transpose": lambda d, e, y, g: [(e.args[0], d.op("transpose", g, dim0=ops.attr(e, "dim0"),
                                                       dim1=ops.attr(e, "dim1")), None)],
     "reshape": _reshape,
+    "index": lambda d, e, y, g: [(e.args[0], d.op("unindex", g, i=ops.attr(e, "i"), n=e.args[0].type.shape[0]),
+                                  None)],
     "dropout": _dropout,
     "conv2d": lambda d, e, y, g: [
         (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),

@@ -74,6 +74,9 @@ def declare(w: Writer, b: Buffer) -> bool:
     if b.same_as and reshape_into_output(w, b) is not None:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // reshaped into the output {b.same_as}: computed in its "
                "memory, no copy")
+    elif b.same_as and b.same_at is not None:
+        w.emit(f"{ct}* const v_{b.name} = v_{b.same_as} + {b.same_at} * {prod(w.ldims(b.type))};  "
+               f"// row {b.same_at} of {b.same_as} (an index): its memory, no copy")
     elif b.same_as:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // a reshape of {b.same_as}: its memory, no copy")
     elif b.kind == "output":

@@ -21,6 +21,7 @@ from coconetc.ir.typerules import reshape_slices
 from coconetc.plan.units import GatherMatmul, Library, Loop, Overlap
 
 OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last",
+       "index", "unindex",
        "layernorm_dx", "layernorm_dgamma", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
 
@@ -84,7 +85,7 @@ def rowwise_args(w: Writer, u: Library, loop: Loop) -> list[str]:
     return [*args[:at], f"v_{value}", *args[at + 1:], f"v_{operand}"]
 
 
-BLOCK = ("softmax", "transpose", "reshape")
+BLOCK = ("softmax", "transpose", "reshape", "index", "unindex")
 """The operations of a transformer block that move or normalize one operand (block_args)."""
 
 
@@ -92,6 +93,10 @@ def _block_args(w: Writer, u: Library, lx: list[str]) -> list[str]:
     x, attrs = f"v_{u.args[0]}", dict(u.attrs)
     if u.op == "softmax":  # [rows, h] -> [rows, h]
         return [x, f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
+    if u.op == "index":  # x[L, n] -> x[i], this rank's n elements of a layer (dim 0 is never sliced)
+        return [x, f"v_{u.dst}", prod(w.ldims(w.types[u.dst])), str(attrs["i"])]
+    if u.op == "unindex":  # g[n] -> out[L, n], g at row i
+        return [x, f"v_{u.dst}", prod(lx), str(attrs["i"]), str(attrs["n"])]
     if u.op == "transpose":  # [outer, a, mid, b, inner] -> [outer, b, mid, a, inner]
         d0, d1 = sorted((int(attrs["dim0"]), int(attrs["dim1"])))  # type: ignore[call-overload]
         return [x, f"v_{u.dst}", prod(lx[:d0]), lx[d0], prod(lx[d0 + 1:d1]), lx[d1], prod(lx[d1 + 1:])]

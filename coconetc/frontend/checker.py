@@ -9,11 +9,11 @@ from dataclasses import dataclass, field, replace
 
 from coconetc.ir.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
-from coconetc.frontend import syntax
+from coconetc.frontend import calls, syntax
 from coconetc.frontend.defs import Scope, bind, bind_def, builtin_of, without_site
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
-from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REPLICATED, TType, dim_symbols, scalar_type, sliced
+from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REPLICATED, Dim, TType, dim_symbols, scalar_type, sliced
 from coconetc.ir.ops import type_op
 from coconetc.ir.typerules import TypeErr
 
@@ -36,6 +36,13 @@ class _Ctx:
     scope: Scope = field(default_factory=Scope)
     env: dict[str, ir.Expr] | None = None  # inside a defined operation's body: its operands
     extents: dict[int, tuple[int, int, ir.Expr]] = field(default_factory=dict)  # see _extent
+    # inside an inlined program (a call): its size symbols in the caller's dims, its stages'
+    # new names (site=NAME), the programs being inlined (outermost first), and each inlined
+    # stage's call (for a later statement that takes its name)
+    dims: dict[str, Dim] | None = None
+    renames: dict[str, str] = field(default_factory=dict)
+    stack: tuple[str, ...] = ()
+    inlined: dict[str, str] = field(default_factory=dict)
 
     def type_of(self, name: str, span: Span) -> TType:
         if name in self.failed:
@@ -49,8 +56,25 @@ class _Ctx:
 
 def check_program(prog: syntax.Program, scope: Scope | None = None) -> ir.Program:
     """Type a program; raises CompileError with every error found. scope: the operations its
-    file defines and declares (frontend/defs.py)."""
-    ctx = _Ctx({}, scope=scope or Scope())
+    file defines and declares, and its programs, which it may call (frontend/defs.py). A
+    program is checked once per scope (a call checks its callee first)."""
+    scope = scope or Scope()
+    done = scope.checked.get(prog.name)
+    if done is not None and done[0] is prog:
+        if isinstance(done[1], CompileError):
+            raise done[1]
+        return done[1]  # type: ignore[return-value]
+    try:
+        out = _check_program(prog, scope)
+    except CompileError as err:
+        scope.checked[prog.name] = (prog, err)
+        raise
+    scope.checked[prog.name] = (prog, out)
+    return out
+
+
+def _check_program(prog: syntax.Program, scope: Scope) -> ir.Program:
+    ctx = _Ctx({}, scope=scope, stack=(prog.name,))
     params = [q for q in (_param(p, ctx) for p in prog.params) if q is not None]
     ctx.params = {p.name: p for p in params}
     # a parameter with a bad declaration is reported once, not again at each use
@@ -137,16 +161,29 @@ def _statement(stmt: syntax.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> No
         targets: tuple[syntax.Name, ...] = (syntax.Name(new, stmt.span),)
     else:
         targets, value = stmt.targets, stmt.value
+    if isinstance(value, syntax.Call) and calls.is_call(value, ctx.scope):
+        _defined(targets, ctx)
+        _program_call([t.id for t in targets], value, ctx, stmt.span)
+        return
     if len(targets) != 1:
         raise TypeErr(targets[1].span, "a program statement defines one name (several names are for schedules)")
     name = targets[0]
-    if name.id in ctx.params or name.id in ctx.stages or name.id in ctx.failed:
-        raise TypeErr(name.span, f"'{name.id}' is already defined (names are single-assignment)")
+    _defined(targets, ctx)
     ctx.stage, ctx.sites = name.id, 0
     expr = _top(value, ctx, updates)
     if expr.type.dtype == "bool":
         raise TypeErr(_where_of(value), "a comparison can only be the condition of where()")
     ctx.stages[name.id] = ir.Stage(name.id, expr, stmt.span)
+
+
+def _defined(targets: tuple[syntax.Name, ...], ctx: _Ctx) -> None:
+    """A statement's names must be new (an inlined call's stages are named too)."""
+    for name in targets:
+        if name.id in ctx.params or name.id in ctx.stages or name.id in ctx.failed:
+            why = f" (a stage of the call {ctx.inlined[name.id]})" if name.id in ctx.inlined else ""
+            raise TypeErr(name.span, f"'{name.id}' is already defined{why} (names are single-assignment)")
+        if targets.count(name) > 1:
+            raise TypeErr(name.span, f"'{name.id}' is named twice")
 
 
 def _where_of(e: syntax.Expr) -> Span:
@@ -270,7 +307,11 @@ def _bind(call: syntax.Call) -> tuple[list[syntax.Expr], dict[str, object]]:
 
 def _expand(call: syntax.Call, ctx: _Ctx) -> ir.Expr:
     """A call of an operation the file defines: its body, typed with the call's operands. An
-    error in the body (shapes that do not broadcast, ...) is reported at the call."""
+    error in the body (shapes that do not broadcast, ...) is reported at the call. A program's
+    call (inlined by _program_call) may only be a statement's whole right-hand side."""
+    if call.fn not in ctx.scope.defs:
+        raise TypeErr(call.span, f"a call of a program ({calls.callee(call) or call.fn}) must be the whole "
+                      "right-hand side of a statement: y = f(...)")
     d = ctx.scope.defs[call.fn]
     values = [_expr(a, ctx) for a in bind_def(call, d)]
     outer, ctx.env = ctx.env, dict(zip((p.id for p in d.params), values))
@@ -344,7 +385,7 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
         raise TypeErr(call.span, "update() must be the whole right-hand side of a statement")
     if call.fn in ctx.scope.failed:
         raise _Skip  # a definition with errors, reported at the definition
-    if call.fn in ctx.scope.defs:
+    if call.fn in ctx.scope.defs or calls.is_call(call, ctx.scope):
         return _expand(call, ctx)
     if call.fn == PERMUTE and call.fn not in ops.REGISTRY:
         return _permute(call, ctx)
@@ -434,6 +475,9 @@ def _shape(e: object, call: syntax.Call, ctx: _Ctx) -> tuple[int | str, ...]:
     if not isinstance(e, syntax.ShapeArg):
         raise TypeErr(getattr(e, "span", call.span), f"{call.fn}()'s shape must be written [d, ...] (size "
                       "symbols, integers, one -1)")
+    if ctx.dims is not None:  # inside an inlined program: its size symbols mean the caller's dims
+        return tuple(ctx.dims[d.name] if isinstance(d, syntax.DimName) else d.value  # type: ignore[misc]
+                     for d in e.dims)
     known = {s for q in ctx.params.values() if q is not None for d in q.type.shape for s in dim_symbols(d)}
     out: list[int | str] = []
     for d in e.dims:
@@ -459,6 +503,8 @@ def _site(call: syntax.Call, written: dict[str, syntax.Kwarg], ctx: _Ctx) -> str
     if not isinstance(k, int) or k < 0:
         raise TypeErr(draw.value.span if draw else call.span, f"{call.fn}()'s draw must not be negative")
     stage = name.value.id if name is not None else ctx.stage  # type: ignore[union-attr]
+    if name is not None:  # a stage of an inlined program: its new name
+        stage = ctx.renames.get(stage, stage)
     return f"{stage}#{k}"
 
 
@@ -493,3 +539,212 @@ def _check_segmented(call: syntax.Call, x: ir.Expr, ctx: _Ctx) -> None:
     segmented = {p.type.shape for p in ctx.params.values() if p is not None and p.scattered}
     if x.type.shape not in segmented:
         raise TypeErr(x.span or call.span, "segment_norm needs a tensor with the shape of a scattered parameter")
+
+
+# --- calls of programs (docs/language.md, "Calling programs", "Repeating a program over layers") ---
+
+def _program_call(targets: list[str], call: syntax.Call, ctx: _Ctx, span: Span) -> None:
+    """`targets = f(args)`, or `target = repeat(f, carried, args)`: f's stages inlined into the
+    caller, typed with the arguments (as a defined operation's body is), so that every later
+    layer sees an ordinary program."""
+    repeat = call.fn == calls.REPEAT
+    name = calls.callee(call)
+    if name is None or name not in ctx.scope.programs:
+        where = call.args[0].span if call.args else call.span
+        raise TypeErr(where, "repeat's first argument must be the name of a program of this file: "
+                      "repeat(f, x, ...)")
+    cycle = calls.cycle(name, ctx.stack, ctx.scope)
+    if cycle:
+        raise TypeErr(call.args[0].span if repeat else call.fn_span, f"recursive call: {' -> '.join(cycle)} "
+                      "(a program cannot call itself, directly or through others)")
+    try:
+        f = check_program(ctx.scope.programs[name], ctx.scope)
+    except CompileError:
+        raise _Skip from None  # its errors are reported at the program itself
+    if f.updates:
+        raise TypeErr(call.span, f"{name}() updates its parameter '{f.updates[0][0]}': a called program may not "
+                      "update its parameters (return the new value instead)")
+    given = replace(call, fn=name, args=call.args[1:]) if repeat else call
+    pos, _ = bind(given, tuple(q.name for q in f.params), {})
+    values = {q.name: (a, _expr(a, ctx)) for q, a in zip(f.params, pos)}
+    if repeat:
+        _repeat(targets, name, f, values, call, ctx)
+        return
+    if len(targets) != len(f.outputs):
+        shown = ", ".join(pub for pub, _ in f.outputs)
+        raise TypeErr(call.span, f"{name}() returns {len(f.outputs)} value{'s' * (len(f.outputs) != 1)} ({shown}); "
+                      f"{len(targets)} name{'s' * (len(targets) != 1)} given")
+    dims: dict[str, Dim] = {}
+    env = {q.name: _argument(q, *values[q.name], name, dims, targets[0], None, call, ctx) for q in f.params}
+    _inline(name, f, env, dims, targets, targets[0], None, call, ctx)
+
+
+def _argument(q: ir.Param, a: syntax.Expr, v: ir.Expr, fname: str, dims: dict[str, Dim], lhs: str,
+              layer: int | None, call: syntax.Call, ctx: _Ctx) -> ir.Expr:
+    """Argument v (written a) for the callee's parameter q: checked against q's declaration
+    (binding q's size symbols in `dims`), a tensor computed by an expression given a stage of
+    its own (`lhs__<q>`)."""
+    if q.scalar:
+        if v.type.ndim != 0 or not (isinstance(v, ir.Const) or (isinstance(v, ir.Ref) and v.type.weak)):
+            raise TypeErr(a.span, f"{fname}()'s '{q.name}' is a scalar ({q.type.dtype}): pass a scalar parameter "
+                          "or a number")
+        if isinstance(v, ir.Const):
+            if v.type.dtype in FLOATS and q.type.dtype not in FLOATS:
+                raise TypeErr(a.span, f"{fname}()'s '{q.name}' is {q.type.dtype}: a float does not fit")
+            return ir.Const(v.value, q.type, v.span)  # the number as the parameter
+        if v.type.dtype != q.type.dtype:
+            raise TypeErr(a.span, f"{fname}()'s '{q.name}' is {q.type.dtype}; the argument is {v.type.dtype}")
+        return v
+    _match(q, v, a.span, fname, dims)
+    if q.scattered and not (isinstance(v, ir.Ref) and v.name in ctx.params and ctx.params[v.name].scattered):
+        raise TypeErr(a.span, f"{fname}()'s '{q.name}' is scattered: pass a scattered parameter")
+    if isinstance(v, ir.Ref):
+        return v
+    return _new_stage(calls.stage_name(lhs, q.name, layer), v, a.span, call, fname, ctx)
+
+
+def _match(q: ir.Param, v: ir.Expr, span: Span, fname: str, dims: dict[str, Dim]) -> None:
+    """A tensor argument must have the parameter's dtype, dims (its size symbols bound to the
+    argument's, the same at every use) and layout, exactly."""
+    pt, vt = q.type, v.type
+    what = f"{fname}()'s '{q.name}' is {pt}"
+    if vt.dtype != pt.dtype:
+        raise TypeErr(span, f"{what}; the argument is {vt} (use cast)")
+    if vt.ndim != pt.ndim:
+        raise TypeErr(span, f"{what}; the argument is {vt} ({vt.ndim} dims, not {pt.ndim})")
+    for i, (pd, vd) in enumerate(zip(pt.shape, vt.shape)):
+        if isinstance(pd, str):
+            if pd in dims and dims[pd] != vd:
+                raise TypeErr(span, f"{what}; the argument is {vt}: size '{pd}' is {dims[pd]} by an earlier "
+                              f"argument, {vd} here (dim {i})")
+            dims.setdefault(pd, vd)
+        elif pd != vd:
+            raise TypeErr(span, f"{what}; the argument is {vt}: dim {i} is {vd}, not {pd}")
+    if vt.layout != pt.layout:
+        raise TypeErr(span, f"{what}; the argument is {vt.layout}: a called program takes each tensor in the "
+                      "layout it declares (communicate first)")
+
+
+def _new_stage(name: str, expr: ir.Expr, span: Span, call: syntax.Call, fname: str, ctx: _Ctx,
+               result: bool = False) -> ir.Ref:
+    """A stage an inlined call adds; its name must be new (else an error at the call)."""
+    if name in ctx.params or name in ctx.stages or name in ctx.failed:
+        raise TypeErr(call.span, f"the call of {fname} names a stage '{name}', which is already defined "
+                      f"(a call 'y = {fname}(...)' names its stages y__<stage>): rename one of them")
+    ctx.stages[name] = ir.Stage(name, expr, span)
+    if not result:
+        ctx.inlined[name] = f"of {fname} at line {call.span.line}"
+    return ir.Ref(name, expr.type, span)
+
+
+def _inline(fname: str, f: ir.Program, env: dict[str, ir.Expr], dims: dict[str, Dim], results: list[str] | None,
+            lhs: str, layer: int | None, call: syntax.Call, ctx: _Ctx) -> list[ir.Expr]:
+    """f's statements typed with env (its parameters' values), each stage named `lhs__<stage>`
+    (`lhs__l<layer>__<stage>`), its returned stages named `results` (None: as the others).
+    Returns the values f returns. An error in the body is reported at the call."""
+    prog = ctx.scope.programs[fname]
+    renames = {t.id: calls.stage_name(lhs, t.id, layer) for st in prog.body if isinstance(st, syntax.Assign)
+               for t in st.targets}
+    taken = set()
+    for i, (_, src) in enumerate(f.outputs):
+        if results is not None and src in renames and src not in taken:
+            renames[src] = results[i]
+            taken.add(src)
+    own = dict(env)
+    saved = (ctx.env, ctx.dims, ctx.renames, ctx.stack, ctx.stage, ctx.sites)
+    ctx.env, ctx.dims, ctx.renames, ctx.stack = own, dims, renames, (*ctx.stack, fname)
+    try:
+        for st in prog.body:
+            if not isinstance(st, syntax.Assign):
+                continue  # the return (read below); an update was refused
+            if isinstance(st.value, syntax.Call) and calls.is_call(st.value, ctx.scope):
+                _program_call([renames[t.id] for t in st.targets], st.value, ctx, st.span)
+                for t in st.targets:
+                    own[t.id] = ir.Ref(renames[t.id], ctx.stages[renames[t.id]].type, t.span)
+                continue
+            n = st.targets[0].id
+            ctx.stage, ctx.sites = renames[n], 0
+            own[n] = _new_stage(renames[n], _top(st.value, ctx, {}), st.span, call, fname, ctx,
+                                result=renames[n] in (results or ()))
+    except _Skip:
+        raise
+    except TypeErr as err:
+        first = err.diagnostics[0]
+        raise TypeErr(call.span, f"{fname}(): {first.message} (in its body, line {first.span.line}, "
+                      f"col {first.span.col})") from None
+    finally:
+        ctx.env, ctx.dims, ctx.renames, ctx.stack, ctx.stage, ctx.sites = saved
+    out: list[ir.Expr] = []
+    for i, (_, src) in enumerate(f.outputs):
+        v = own[src]
+        if results is not None and not (isinstance(v, ir.Ref) and v.name == results[i]):
+            v = _new_stage(results[i], v, call.span, call, fname, ctx, result=True)  # a parameter returned
+        out.append(v)
+    return out
+
+
+def _repeat(targets: list[str], fname: str, f: ir.Program, values: dict[str, tuple[syntax.Expr, ir.Expr]],
+            call: syntax.Call, ctx: _Ctx) -> None:
+    """`y = repeat(f, x, args...)`: f once per layer, layer l reading layer l-1's result for
+    f's first parameter, row l of each stacked argument (one more leading dim than f's
+    parameter, an integer literal L: the layers) and the shared ones as they are."""
+    lhs = targets[0]
+    if len(targets) != 1 or len(f.outputs) != 1:
+        raise TypeErr(call.span, f"repeat({fname}, ...) needs a program that returns one value (the carried one), "
+                      "named by one name")
+    first = f.params[0] if f.params else None
+    if first is None or first.scalar:
+        raise TypeErr(call.span, f"repeat({fname}, ...): {fname}'s first parameter is the carried value, a tensor")
+    stacked, layers = _stacked(lhs, fname, f, values, call, ctx)
+    carried = values[first.name][1]
+    want = carried.type
+    for layer in range(layers):
+        dims: dict[str, Dim] = {}
+        env: dict[str, ir.Expr] = {}
+        for q in f.params:
+            a, v = values[q.name]
+            if q is first:
+                v = carried
+            elif q.name in stacked:
+                row = _op("index", (stacked[q.name],), {"i": layer}, a.span)
+                v = _new_stage(calls.stage_name(lhs, q.name, layer), row, a.span, call, fname, ctx)
+            env[q.name] = _argument(q, a, v, fname, dims, lhs, layer, call, ctx)
+        last = layer == layers - 1
+        (carried,) = _inline(fname, f, env, dims, [lhs] if last else None, lhs, layer, call, ctx)
+        got = carried.type
+        if (got.dtype, got.shape, got.layout) != (want.dtype, want.shape, want.layout):
+            raise TypeErr(call.span, f"repeat: {fname}() returns {got}, but its carried parameter '{first.name}' "
+                          f"takes {want}: a layer's result must be the next layer's input")
+
+
+def _stacked(lhs: str, fname: str, f: ir.Program, values: dict[str, tuple[syntax.Expr, ir.Expr]],
+             call: syntax.Call, ctx: _Ctx) -> tuple[dict[str, ir.Expr], int]:
+    """A repeat's stacked arguments (by f's parameter; one computed by an expression given a
+    stage of its own, `lhs__<q>`) and the layer count they agree on."""
+    stacked: dict[str, ir.Expr] = {}
+    count: tuple[int, str] | None = None
+    for q in f.params[1:]:
+        a, v = values[q.name]
+        if q.scalar or v.type.ndim == q.type.ndim:
+            continue  # shared by every layer
+        if v.type.ndim != q.type.ndim + 1:
+            raise TypeErr(a.span, f"repeat: {fname}()'s '{q.name}' has {q.type.ndim} dims; the argument has "
+                          f"{v.type.ndim} (shared by every layer: {q.type.ndim}; stacked, one per layer: "
+                          f"{q.type.ndim + 1})")
+        n = v.type.shape[0]
+        if not isinstance(n, int):
+            raise TypeErr(a.span, f"repeat: the layer count of the argument for '{q.name}' (its dim 0) is '{n}', a "
+                          "size symbol; write it as an integer literal (the checker unrolls the layers)")
+        if count is not None and n != count[0]:
+            raise TypeErr(a.span, f"repeat: the argument for '{q.name}' stacks {n} layers, the one for "
+                          f"'{count[1]}' {count[0]}")
+        if v.type.layout.sliced and v.type.layout.dim == 0:
+            raise TypeErr(a.span, f"repeat: the argument for '{q.name}' is sliced along its layer dim (0); a "
+                          "stacked parameter is sliced(d) along a dim d >= 1 of its layers (sliced(d-1) each)")
+        count = count or (n, q.name)
+        stacked[q.name] = v if isinstance(v, ir.Ref) else _new_stage(calls.stage_name(lhs, q.name), v, a.span,
+                                                                      call, fname, ctx)
+    if count is None:
+        raise TypeErr(call.span, f"repeat({fname}, ...) needs a stacked argument (one more leading dim than "
+                      f"{fname}'s parameter: the layers)")
+    return stacked, count[0]

@@ -33,9 +33,21 @@ class Scope:
     defs: dict[str, syntax.OpDecl] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     externs: set[str] = field(default_factory=set)
+    # the file's programs (the first of a name), which a program may call (checker.py, "calls"),
+    # and each one's check once done: its IR, or the CompileError it raised
+    programs: dict[str, syntax.Program] = field(default_factory=dict)
+    checked: dict[str, tuple[syntax.Program, object]] = field(default_factory=dict)
 
     def known(self, name: str) -> bool:
         return name in self.defs or name in self.failed
+
+
+def programs_of(tree: syntax.File) -> dict[str, syntax.Program]:
+    """The file's programs by name (the first of a name defined twice), for calls."""
+    out: dict[str, syntax.Program] = {}
+    for p in tree.programs:
+        out.setdefault(p.name, p)
+    return out
 
 
 def builtin(name: str, nargs: int | None = None) -> ops.OpDef | None:

@@ -444,6 +444,10 @@ register(OpDef("transpose", "tensor", (Arg("x"), Arg("dim0", "int"), Arg("dim1",
 register(OpDef("reshape", "tensor", (Arg("x"), Arg("shape", "shape")), tr.reshape, NEVER, fusable=False,
                cost=Cost(0), doc="one dim split, or adjacent dims merged (a copy); the interpreter's own "
                                  "(the local shape follows the slices)"))
+register(OpDef("index", "tensor", (Arg("x"), Arg("i", "int")), tr.index, NEVER, numpy=ref.index, fusable=False,
+               cost=Cost(0), doc="x[i] along dim 0, an integer literal L (a layer of a stacked parameter: "
+                                 "repeat); the stacked buffer's memory where the plan allows (Buffer.same_as), "
+                                 "else a copy"))
 register(OpDef("conv2d", "tensor", (Arg("x"), Arg("w"), Arg("stride", "int", default=1, minimum=1),
                                     Arg("padding", "int", default=0)),
                tr.conv2d, NEVER, numpy=ref.conv2d, fusable=False, cost=Cost(2, inner=True)))

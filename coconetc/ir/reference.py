@@ -85,6 +85,11 @@ def transpose(x: np.ndarray, dim0: int, dim1: int) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(x, dim0, dim1))
 
 
+def index(x: np.ndarray, i: int) -> np.ndarray:
+    """x[i] along dim 0 (dim 0 is never sliced, so a rank's part indexes as the whole does)."""
+    return np.ascontiguousarray(x[i])
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, stride: int, padding: int) -> np.ndarray:
     """NCHW x OIHW -> NOHW, cross-correlation as in PyTorch."""
     n, c, h, wd = x.shape

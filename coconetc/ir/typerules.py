@@ -258,6 +258,29 @@ def transpose(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TTyp
     return TType(t.dtype, tuple(shape), lay, t.weak)
 
 
+def index(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """index(x, i): x[i], the i-th slice along dim 0 (a layer of a stacked parameter: repeat,
+    docs/language.md). Dim 0 must be an integer literal L with 0 <= i < L, and not sliced; a
+    slice along dim d >= 1 is the result's slice along d - 1."""
+    (x,) = args
+    t, i = x.type, attrs["i"]
+    if t.ndim < 1:
+        raise TypeErr(span, "index needs a tensor of at least 1 dim (its dim 0 is indexed)")
+    n = t.shape[0]
+    if not isinstance(n, int):
+        raise TypeErr(span, f"index: dim 0 of {t} is '{n}', not an integer literal (the index is checked "
+                      "at compile time)")
+    if not 0 <= i < n:
+        raise TypeErr(span, f"index {i} is out of range for dim 0 of size {n}")
+    lay = t.layout
+    if lay.sliced:
+        if lay.dim == 0:
+            raise TypeErr(x.span or span, "index of a tensor sliced along dim 0 (the indexed dim); slice "
+                          "another dim")
+        lay = sliced(lay.dim - 1)
+    return TType(t.dtype, t.shape[1:], lay, t.weak)
+
+
 INFER = -1  # reshape: the one dim whose size follows from the others
 
 

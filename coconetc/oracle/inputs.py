@@ -53,7 +53,7 @@ _NONNEG = {"sqrt", "rsqrt", "exp", "abs", "softmax", "sigmoid", "relu", "norm", 
 _FOLLOWS: dict[str, tuple[int, ...] | None] = {
     **{o: None for o in ("add", "mul", "div", "min", "sum", "amax", "amin", "mean_last", "sum_lead",
                          "sum_keep", "matmul", "matmul_nt", "matmul_tn", "conv2d", "tanh")},
-    **{o: (0,) for o in ("cast", "dropout", "transpose", "reshape", "pow", "allreduce", "reducescatter",
+    **{o: (0,) for o in ("cast", "dropout", "transpose", "reshape", "index", "pow", "allreduce", "reducescatter",
                          "allgather", "broadcast", "reduce", "scatter", "send")},
     "where": (1, 2)}
 _UNKNOWN = None  # a value whose sign no positive input settles (a difference, a negation, gelu ...)

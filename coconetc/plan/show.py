@@ -61,7 +61,8 @@ def _buffer(plan: Plan, b: Buffer) -> str:
         where["scratch"] = "scratch in the group's shared window"
     none = f" (no memory on {', '.join(b.unallocated)}: the collective reads the segments)" if b.unallocated else ""
     if b.same_as:
-        none += f" (the memory of {b.same_as}: a reshape, no copy)"
+        what = f"row {b.same_at} of {b.same_as}: an index" if b.same_at is not None else f"the memory of {b.same_as}: a reshape"
+        none += f" ({what}, no copy)"
     if b.kind == "param" and b.type.ndim and plan.own_part_only(b.name):  # (DistributedOptimizer's shared_weights)
         none += " (each rank writes only its own part: the ranks of a node may hold one copy)"
     return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}{none}"

@@ -78,8 +78,10 @@ def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     """The plan with every per-target decision taken (locate: a unit's span, for the gaps)."""
     plan = replace(plan, buffers=tuple(_placed(b, plan) for b in plan.buffers))
     views = _reshape_views(plan)
-    plan = replace(plan, buffers=tuple(replace(b, same_as=views[b.name]) if b.name in views else b
-                                       for b in plan.buffers))
+    rows = _index_views(plan, views)
+    plan = replace(plan, buffers=tuple(replace(b, same_as=views[b.name]) if b.name in views else
+                                       replace(b, same_as=rows[b.name][0], same_at=rows[b.name][1])
+                                       if b.name in rows else b for b in plan.buffers))
     kinds = {b.name: b.kind for b in plan.buffers}
     plan = replace(plan, units=tuple(_with_strategies(u, kinds) for u in plan.units))
     gaps = [_gap(t, u, what, locate) for t in TARGETS for u, what in GAPS[t](plan)]
@@ -111,6 +113,27 @@ def _reshape_views(plan: Plan) -> dict[str, str]:
             # before anything runs (dispatch.function), so a source larger than the output raises
             views[src.name] = dst.name
     return views
+
+
+def _index_views(plan: Plan, views: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """The indexes whose result needs no copy (Buffer.same_as, same_at): `index(w, i)` is row i of
+    w's memory (dim 0 is never sliced, so this rank's row is contiguous in its part). Where: the
+    result is private scratch (not in a shared window, read by no collective) and the source a
+    parameter nothing updates in place or a scratch value, neither held elsewhere itself (a layer
+    of a stacked parameter: repeat, docs/language.md); every backend."""
+    kinds = {b.name: b for b in plan.buffers}
+    updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
+    sent = {n for u in _every(plan.units) for n in _collective_reads(u)}
+    rows: dict[str, tuple[str, int]] = {}
+    for u in plan.units:
+        if not (isinstance(u, Library) and u.op == "index"):
+            continue
+        dst, src = kinds[u.dst], kinds[u.args[0]]
+        if dst.kind == "scratch" and not dst.shared and not dst.unallocated and dst.name not in sent \
+                and dst.name not in views and src.name not in views and src.kind in ("scratch", "param") \
+                and src.name not in updated and src.type.dtype == dst.type.dtype:
+            rows[dst.name] = (src.name, int(dict(u.attrs)["i"]))  # type: ignore[call-overload]
+    return rows
 
 
 def _collective_reads(u: Unit) -> tuple[str, ...]:

@@ -48,6 +48,7 @@ class Buffer:
     shared: bool = False  # scratch: in the group's shared window, not private to the rank
     unallocated: tuple[str, ...] = ()  # the targets that give it no memory (plan/targets.py)
     same_as: str = ""  # scratch: a reshape's result held in its source's memory, no copy (plan/targets.py)
+    same_at: int | None = None  # with same_as: an index's row i of its source (its memory from i * this buffer's size)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
 //   matmul_tn  C[K, N] = A[M, K]^T x B[M, N]    (matmul's weight gradient)  gemm_trans (gemm.h)
 //   sum_lead   out[inner] = the sum of x[outer, inner] over outer
 //   sum_keep   out[outer, 1, inner] = the sum of x[outer, mid, inner] over mid
+//   unindex    out[L, n] = zeros, g[n] at row i  (index's gradient)
 //   mean_last  out[rows, 1] = the mean of x[rows, h] over h
 //   layernorm_dx      dx[rows, h] from x, gamma[h] and the cotangent g[rows, h]  (a row at a time)
 //   layernorm_dgamma  dgamma[h] = the sum over rows of g * xhat                  (a row at a time)
@@ -42,6 +43,12 @@ void matmul_tn(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N) {
 }
 
 // out[j] = sum over i of x[i, j] (x: outer x inner).
+template <class T>
+void unindex(const T* g, T* out, int64_t n, int64_t i, int64_t L) {
+  std::fill_n(out, L * n, T(0));
+  std::copy_n(g, n, out + i * n);
+}
+
 template <class T>
 void sum_lead(const T* x, T* out, int64_t outer, int64_t inner) {
   using A = compute_t<T>;

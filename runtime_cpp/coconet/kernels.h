@@ -213,6 +213,13 @@ void reshape(const T* x, T* y, int64_t n, int64_t n_in, int64_t n_out, int64_t w
   if (x != y) std::copy_n(x, n, y);  // y == x: the plan holds the result in x's memory (Buffer.same_as)
 }
 
+// index: x[i] along dim 0, this rank's n elements of it (x's part seen as [L, n]; dim 0 is never
+// sliced); nothing to copy when the plan holds the result in x's memory at row i (Buffer.same_as).
+template <class T>
+void index(const T* x, T* y, int64_t n, int64_t i) {
+  if (x + i * n != y) std::copy_n(x + i * n, n, y);
+}
+
 // conv2d NCHW x OIHW -> NOHW (cross-correlation, zero padding), accumulating in compute type.
 template <class T>
 void conv2d(const T* x, const T* w, T* out, int64_t N, int64_t C, int64_t H, int64_t W,

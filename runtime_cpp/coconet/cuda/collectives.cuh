@@ -131,6 +131,19 @@ void copy(const T* src, T* dst, int64_t n, const Ctx& c) {
     COCONET_CUDA(cudaMemcpyAsync(dst, src, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
 }
 
+// index: x[i] along dim 0, this rank's n elements of it, as kernels.h's (no copy when y is x's row i).
+template <class T>
+void index(const T* x, T* y, int64_t n, int64_t i, const Ctx& c) {
+  copy(x + i * n, y, n, c);
+}
+
+// unindex: out[L, n] zeros with g at row i (index's gradient), as grad.h's.
+template <class T>
+void unindex(const T* g, T* out, int64_t n, int64_t i, int64_t L, const Ctx& c) {
+  if (L * n > 0) COCONET_CUDA(cudaMemsetAsync(out, 0, size_t(L * n) * sizeof(T), c.stream));
+  copy(g, out + i * n, n, c);
+}
+
 // reshape: this rank's n elements copied as they are, after the host-side check of the sizes and
 // slices (slices.h: reshape_problem), as kernels.h's.
 template <class T>

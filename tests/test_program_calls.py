@@ -1,0 +1,294 @@
+"""Calls of programs and repeat over layers (docs/language.md, "Calling programs", "Repeating a
+program over layers"): tests/programs/model.ccn's two-layer model, written with repeat and with
+two calls, against NumPy written here; its derived program against finite differences and
+against the two calls' per-layer gradients; compiled (CPU, and CUDA under the host emulation)
+against the interpreter; examples/gpt_block.ccn's gpt_block_sp repeated over 2 layers in f64
+against the block run twice, and compiled; each error at its line and column."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rank_checks import joined, rank_parts, run_jobs, shared_file
+
+import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
+from coconetc.autodiff import vjp
+from coconetc.errors import CompileError
+from coconetc.interp.interpreter import run
+from coconetc.ir.layers import layer_ranges
+from coconetc.ir.nodes import Op, walk
+from coconetc.sourcefile import load_source
+
+HERE = Path(__file__).parent
+MODEL = HERE / "programs" / "model.ccn"
+B, H, F = 3, 4, 6
+SLICED = {"w1": 2, "b1": 1, "w2": 1}  # the stacked parameters: dim 0 the layers
+SLICED_CALLS = {"w1a": 1, "b1a": 0, "w2a": 0, "w1b": 1, "b1b": 0, "w2b": 0}
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return load_source(MODEL.read_text(), str(MODEL))
+
+
+def _inputs(seed: int = 0, p: float = 0.0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((B, H)), "w1": rng.standard_normal((2, H, F)) / 2,
+            "b1": rng.standard_normal((2, F)), "w2": rng.standard_normal((2, F, H)) / 2,
+            "g": 1 + rng.standard_normal((2, H)) / 4, "scale": 0.7, "p": p, "seed": 7}
+
+
+def _calls_inputs(a: dict) -> dict:
+    """The model's inputs as model_calls takes them: layer 0's as *a, layer 1's as *b."""
+    out = {k: a[k] for k in ("x", "scale", "p", "seed")}
+    for k in ("w1", "b1", "w2", "g"):
+        out[k + "a"], out[k + "b"] = a[k][0], a[k][1]
+    return out
+
+
+def _numpy_model(a: dict) -> np.ndarray:
+    """Two layers of blk, in NumPy (dropout off): gelu exact, layernorm over the last dim."""
+    erf = np.vectorize(math.erf)
+    y = a["x"]
+    for layer in range(2):
+        t = y @ a["w1"][layer] + a["b1"][layer]
+        h = t * 0.5 * (1 + erf(t / math.sqrt(2)))
+        r = y + (h @ a["w2"][layer]) * a["scale"]
+        mu, var = r.mean(-1, keepdims=True), r.var(-1, keepdims=True)
+        y = (r - mu) / np.sqrt(var + 1e-5) * a["g"][layer]
+    return y
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_model_matches_numpy(mod, ranks):
+    a = _inputs()
+    want = _numpy_model(a)
+    got = joined(run(mod.program("model"), rank_parts(a, ranks, SLICED)), "y", None)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    calls = joined(run(mod.program("model_calls"), rank_parts(_calls_inputs(a), ranks, SLICED_CALLS)), "y", None)
+    np.testing.assert_allclose(calls, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_stages_are_named_by_call_and_layer(mod):
+    """y__l<l>__<stage> for repeat (the per-layer parameters first), y0__<stage> for a call; the
+    layers' ranges; each dropout its own site (its own mask), a view (no copy) of each layer."""
+    p = mod.program("model")
+    names = [s.name for s in p.stages]
+    assert names == ["y__l0__w1", "y__l0__b1", "y__l0__w2", "y__l0__g", "y__l0__h", "y__l0__o", "y__l0__s", "y__l0__y",
+                     "y__l1__w1", "y__l1__b1", "y__l1__w2", "y__l1__g", "y__l1__h", "y__l1__o", "y__l1__s", "y"]
+    assert layer_ranges(p, "y") == [(0, 8), (8, 16)]
+    sites = [n.attr("site") for s in p.stages for n in walk(s.expr) if isinstance(n, Op) and n.op == "dropout"]
+    assert sites == ["y__l0__y#0", "y#0"]
+    calls = [s.name for s in mod.program("model_calls").stages]
+    assert calls == ["y0__h", "y0__o", "y0__s", "y0", "y__h", "y__o", "y__s", "y"]
+    views = {b.name: (b.same_as, b.same_at) for b in mod.plans[("model", "default")].buffers if b.same_as}
+    assert views == {f"y__l{k}__{w}": (w, k) for k in range(2) for w in ("w1", "b1", "w2", "g")}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_gradients_match_finite_differences_and_the_calls(mod, ranks):
+    """The derived program of the repeated model: each stacked gradient equals the two calls'
+    per-layer gradients stacked, and a directional derivative equals finite differences."""
+    a = _inputs(1)
+    dy = np.random.default_rng(2).standard_normal((B, H))
+    g = vjp(mod.program("model"))
+    res = run(g, rank_parts({**a, "d_y": dy}, ranks, SLICED))
+    got = {k: joined(res, f"d_{k}", SLICED.get(k)) for k in ("x", "w1", "b1", "w2", "g")}
+    gc = vjp(mod.program("model_calls"))
+    rc = run(gc, rank_parts({**_calls_inputs(a), "d_y": dy}, ranks, SLICED_CALLS))
+    for k in ("w1", "b1", "w2", "g"):
+        per_layer = [joined(rc, f"d_{k}{s}", SLICED_CALLS.get(k + s)) for s in "ab"]
+        np.testing.assert_allclose(got[k], np.stack(per_layer), rtol=1e-10, atol=1e-12, err_msg=k)
+    if ranks > 1:
+        return
+    rng = np.random.default_rng(3)
+    for k in ("x", "w1", "b1", "w2", "g"):
+        v = rng.standard_normal(a[k].shape)
+        eps = 1e-6
+        loss = [float((_numpy_model({**a, k: a[k] + s * eps * v}) * dy).sum()) for s in (1, -1)]
+        np.testing.assert_allclose((got[k] * v).sum(), (loss[0] - loss[1]) / (2 * eps), rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulate"])
+def test_compiled_against_the_interpreter(backend):
+    """The repeated model, its derived program (and on the CPU the two calls), compiled, against
+    the interpreter on 2 ranks (random inputs, dropout included): on the CPU, and the CUDA code
+    under the host emulation (one launch each)."""
+    sizes = [f"--size={k}={v}" for k, v in dict(B=B, H=H, F=F).items()]
+    progs = ("model", "model_grad", "model_calls") if backend == "cpu" else ("model", "model_grad")
+    extra = ["--emulate-cuda"] if backend == "emulate" else []
+    scheds = {"model": ["default", "split0"]}
+    out = run_jobs(2, [[str(MODEL), "--program", p, "--grad-of", "model", "--reps", "1", *sizes, *extra,
+                        *(f"--schedule={s}" for s in scheds.get(p, ["default"]))] for p in progs])
+    label = r" \(CUDA, host emulation\)" if extra else ""
+    for p in progs:
+        for s in scheds.get(p, ["default"]):
+            assert re.search(rf"^{p} \[{s}\]{label}: 2 ranks: .* matches the interpreter on every rank", out, re.M), out
+
+
+def test_printed_programs_read_back(mod):
+    """The inlined program (index included), its schedule and its derived program (unindex)
+    print as text that checks back to the same stages."""
+    from coconetc.autodiff.text import check_text
+    from coconetc.ir.printer import program as printed
+    for p in (mod.program("model"), mod.schedule("model", "split0").ir, vjp(mod.program("model"))):
+        assert check_text(printed(p))[p.name].stages == p.stages, p.name
+
+
+def test_the_schedule_computes_the_program(mod):
+    a = _inputs(5, p=0.3)
+    for ranks in (1, 2):
+        want = joined(run(mod.program("model"), rank_parts(a, ranks, SLICED)), "y", None)
+        got = joined(run(mod.schedule("model", "split0").ir, rank_parts(a, ranks, SLICED)), "y", None)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --- gpt_block_sp repeated over 2 layers (f64: the f32 block has a known small mismatch) ---------
+GPT = HERE.parent / "examples" / "gpt_block.ccn"
+GB, GS, GH, GNH = 2, 5, 8, 4
+GDIMS = dict(B=GB, S=GS, H=GH, NH=GNH, HD=GH // GNH, F=4 * GH)
+STACKED = {"ln1_w": None, "ln1_b": None, "wq": 1, "bq": 0, "wk": 1, "wv": 1, "bv": 0, "wo": 0, "bo": None,
+           "ln2_w": None, "ln2_b": None, "w_fc": 1, "b_fc": 0, "w_proj": 0, "b_proj": None}
+
+
+def _gpt_text() -> str:
+    """gpt_block_sp alone (f64), and gpt2: it repeated over 2 layers of stacked parameters."""
+    src = GPT.read_text().replace("f32", "f64")
+    prog = load_source(src).program("gpt_block_sp")
+    lines = src.splitlines()
+    block = "\n".join(lines[prog.span.line - 1:prog.span.end_line])
+    shapes = {p.name: p.type for p in prog.params}
+    params = ["x: f64[B, S, H] sliced(1)"]
+    for k, d in STACKED.items():
+        lay = f"sliced({d + 1})" if d is not None else "replicated"
+        params.append(f"{k}: f64[2, {', '.join(map(str, shapes[k].shape))}] {lay}")
+    params += ["scale: f64", "pdrop: f64", "seed: i64"]
+    args = ", ".join(["x", *STACKED, "scale", "pdrop", "seed"])
+    return (f"{block}\n\nprogram gpt2({', '.join(params)}) {{\n"
+            f"    y = repeat(gpt_block_sp, {args})\n    return y\n}}\n")
+
+
+@pytest.fixture(scope="module")
+def gpt_file(request) -> Path:
+    return shared_file(request, "program-calls", "gpt2.ccn", _gpt_text())
+
+
+def test_gpt_block_repeated_is_the_block_twice(gpt_file):
+    """On 2 ranks (S = 5: uneven slices), dropout off: gpt2 equals gpt_block_sp run twice with
+    each layer's parameters (the interpreter)."""
+    m = load_source(gpt_file.read_text())
+    rng = np.random.default_rng(4)
+    shapes = {p.name: tuple(int(GDIMS.get(d, d)) for d in p.type.shape) for p in m.program("gpt2").params
+              if not p.scalar}
+    a = {k: rng.standard_normal(s) / 2 for k, s in shapes.items()}
+    a.update(scale=1 / math.sqrt(GH // GNH), pdrop=0.0, seed=3)
+    sliced = {"x": 1, "y": 1, **{k: d + 1 for k, d in STACKED.items() if d is not None}}
+    got = joined(run(m.program("gpt2"), rank_parts(a, 2, sliced)), "y", 1)
+    one = {"x": 1, "y": 1, **{k: d for k, d in STACKED.items() if d is not None}}
+    y = a["x"]
+    for layer in range(2):
+        args = {**a, "x": y, **{k: a[k][layer] for k in STACKED}}
+        y = joined(run(m.program("gpt_block_sp"), rank_parts(args, 2, one)), "y", 1)
+    np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow  # a build of its own (about 30 s cold); test_compiled_against_the_interpreter compiles the same paths
+def test_gpt_block_repeated_compiled_on_2_ranks(gpt_file):
+    """gpt2 compiled (CPU) against the interpreter on 2 ranks, random inputs with dropout."""
+    sizes = [f"--size={k}={v}" for k, v in GDIMS.items()]
+    out = run_jobs(2, [[str(gpt_file), "--program", "gpt2", "--reps", "1", *sizes]])
+    assert re.search(r"^gpt2 \[default\]: 2 ranks: .* matches the interpreter on every rank", out, re.M), out
+
+
+# --- errors, each at its line and column ---------------------------------------------------------
+BLK = """program f(x: f32[N] replicated, w: f32[N] replicated, s: f32) {
+    t = x * w
+    y = t + s
+    return y
+}
+"""
+ERRORS = [
+    ("argument count", "program g(x: f32[N] replicated) {\n    y = f(x, x, 1.0, x)\n    return y\n}\n",
+     8, 22, "takes at most 3 arguments, got 4"),
+    ("missing argument", "program g(x: f32[N] replicated) {\n    y = f(x, x)\n    return y\n}\n",
+     8, 9, "missing its argument 's'"),
+    ("layout", "program g(x: f32[N] sliced, w: f32[N] replicated) {\n    y = f(x, w, 1.0)\n    return y\n}\n",
+     8, 11, "'x' is f32[N] replicated; the argument is sliced(0)"),
+    ("size symbol", "program g(x: f32[N] replicated, w: f32[M] replicated) {\n    y = f(x, w, 1.0)\n    return y\n}\n",
+     8, 14, "size 'N' is N by an earlier argument, M here"),
+    ("direct recursion", "program g(x: f32[N] replicated) {\n    y = g(x)\n    return y\n}\n",
+     8, 9, "recursive call: g -> g"),
+    ("indirect recursion", "program g(x: f32[N] replicated) {\n    y = h(x)\n    return y\n}\n"
+     "program h(x: f32[N] replicated) {\n    y = g(x)\n    return y\n}\n",
+     8, 9, "recursive call: g -> h -> g"),
+    ("nested call", "program g(x: f32[N] replicated) {\n    y = relu(f(x, x, 1.0))\n    return y\n}\n",
+     8, 14, "must be the whole right-hand side"),
+    ("names taken", "program g(x: f32[N] replicated) {\n    y__t = x\n    y = f(x, x, 1.0)\n    return y\n}\n",
+     9, 9, "names a stage 'y__t', which is already defined"),
+    ("later name", "program g(x: f32[N] replicated) {\n    z = f(x, x, 1.0)\n    z__t = x\n    return z\n}\n",
+     9, 5, "'z__t' is already defined (a stage of the call of f at line 8)"),
+    ("returns", "program g(x: f32[N] replicated) {\n    a, b = f(x, x, 1.0)\n    return a\n}\n",
+     8, 12, "f() returns 1 value (y); 2 names given"),
+    ("symbolic layers", "program g(x: f32[N] replicated, w: f32[L, N] replicated) {\n"
+     "    y = repeat(f, x, w, 1.0)\n    return y\n}\n",
+     8, 22, "'L', a size symbol; write it as an integer literal"),
+    ("no stacked argument", "program g(x: f32[N] replicated) {\n    y = repeat(f, x, x, 1.0)\n    return y\n}\n",
+     8, 9, "needs a stacked argument"),
+    ("carried layout", "program k(x: f32[N] sliced, w: f32[N] replicated) {\n    y = allgather(x * w)\n    return y\n}\n"
+     "program g(x: f32[N] sliced, w: f32[2, N] replicated) {\n    y = repeat(k, x, w)\n    return y\n}\n",
+     12, 9, "a layer's result must be the next layer's input"),
+    ("update", "program k(x: f32[N] replicated, w: f32[N] replicated) {\n    w1 = update(w, x)\n    return x\n}\n"
+     "program g(x: f32[N] replicated) {\n    y = k(x, x)\n    return y\n}\n",
+     12, 9, "a called program may not update its parameters"),
+]
+
+
+@pytest.mark.parametrize("source,line,col,fragment", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
+def test_call_errors_at_line_and_column(source, line, col, fragment):
+    with pytest.raises(CompileError) as e:
+        load_source(BLK + "\n" + source)
+    found = [(d.span.line, d.span.col, d.message) for d in e.value.diagnostics]
+    assert any((d.span.line, d.span.col) == (line, col) and fragment in d.message for d in e.value.diagnostics), found
+
+
+def test_stacked_dims_that_disagree():
+    src = BLK + ("\nprogram g(x: f32[N] replicated, w: f32[2, N] replicated, v: f32[3, N] replicated) {\n"
+                 "    y = repeat(f, x, w, 1.0)\n    return y\n}\n"
+                 "program k(x: f32[N] replicated, w: f32[N] replicated, v: f32[N] replicated) {\n"
+                 "    y = x * w * v\n    return y\n}\n"
+                 "program h(x: f32[N] replicated, w: f32[2, N] replicated, v: f32[3, N] replicated) {\n"
+                 "    y = repeat(k, x, w, v)\n    return y\n}\n")
+    with pytest.raises(CompileError) as e:
+        load_source(src)
+    assert [(d.span.line, d.span.col) for d in e.value.diagnostics] == [(16, 25)], e.value.render()
+    assert "the argument for 'v' stacks 3 layers, the one for 'w' 2" in e.value.diagnostics[0].message
+
+
+def test_the_language_reference_shows_the_tested_example():
+    doc = (HERE.parent / "docs" / "language.md").read_text()
+    assert MODEL.read_text().split("\n", 3)[3] in doc
+
+
+def test_the_backward_recomputes_the_layers_of_the_stacked_parameters(mod):
+    """The derived program cut at the saved values (autodiff/saved.py): the layers index(w, l)
+    are recomputed by the backward (views of w), not saved; forward then backward give the
+    derived program's gradients."""
+    from coconetc.sourcefile import with_grads
+    m = with_grads(mod, ["model"])
+    fwd, bwd = m.program("model_fwd"), m.program("model_bwd")
+    saved = [pub.removeprefix("saved_") for pub, _ in fwd.outputs[1:]]
+    assert saved and not [s for s in saved if re.fullmatch(r"y__l\d__(w1|b1|w2|g)", s)], saved
+    a, dy = _inputs(6), np.random.default_rng(7).standard_normal((B, H))
+    f = run(fwd, rank_parts(a, 2, SLICED))
+    parts = rank_parts({**a, "d_y": dy}, 2, SLICED)
+    for r, res in enumerate(f):
+        parts[r].update({s: res.outputs[f"saved_{s}"] for s in saved})
+    got, want = run(bwd, parts), run(m.program("model_grad"), rank_parts({**a, "d_y": dy}, 2, SLICED))
+    for pub, _ in m.program("model_grad").outputs:
+        k = pub.removeprefix("d_")
+        np.testing.assert_allclose(joined(got, pub, SLICED.get(k)), joined(want, pub, SLICED.get(k)), rtol=1e-12,
+                                   atol=1e-14, err_msg=pub)
