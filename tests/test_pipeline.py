@@ -41,3 +41,71 @@ def test_a_rank_that_fails_mid_step_ends_the_job(capfd) -> None:
     rc, _, log = rank_checks.launch(capfd, WORKER, 2, "dies", timeout=120)
     assert rc not in (0, 124), log  # ended, and not by the timeout
     assert "ZeroDivisionError" in log and "rank 1" in log, log
+
+
+# --- the pipeline(...) directive of a model program's schedule -------------------------------------
+MODEL = """program blk(x: f64[B, H] replicated, w1: f64[H, F] sliced(1), w2: f64[F, H] sliced(0)) {
+    h = gelu(matmul(x, w1))
+    s = allreduce(sum, matmul(h, w2))
+    y = x + s
+    return y
+}
+
+program model(x: f64[B, H] replicated, w1: f64[4, H, F] sliced(2), w2: f64[4, F, H] sliced(1)) {
+    y = repeat(blk, x, w1, w2)
+    return y
+}
+"""
+
+
+def _schedule(line: str) -> str:
+    return MODEL + f"\nschedule pp for model {{\n    {line}\n}}\n"
+
+
+def test_a_pipeline_schedule_is_checked_and_shows_its_timeline(tmp_path) -> None:
+    """A legal pipeline directive changes nothing the program computes; the plan shows each
+    virtual stage's layers (3 + 1 as written), each rank's actions and the timeline."""
+    from click.testing import CliRunner
+
+    from coconetc.cli import main
+    from coconetc.schedule.pipeline import Pipeline, cut
+    from coconetc.sourcefile import load_source
+    src = _schedule('pipeline(stages=2, microbatches=4, order="zero_bubble", layers=[3, 1])')
+    mod = load_source(src)
+    sched = mod.schedule("model", "pp")
+    assert sched.ir == mod.programs["model"]
+    d = sched.directives[0]
+    assert isinstance(d, Pipeline)
+    c = cut(mod.programs["model"], d)
+    assert (c.repeat, c.layers, c.order.name, c.order.split_backward) == ("y", ((0, 3), (3, 4)), "zero_bubble", True)
+    f = tmp_path / "model.ccn"
+    f.write_text(src)
+    out = CliRunner().invoke(main, ["show", str(f), "-s", "pp", "--format", "plan"]).output
+    assert "#   virtual stage 0 (rank 0, chunk 0): layers 0..2" in out, out
+    assert "#   rank 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3" in out, out
+    assert "# bubble 0.0769 (7.7%); peak activations: rank 0 2, rank 1 2" in out, out
+
+
+@pytest.mark.parametrize("line, at, says", [
+    ("pipeline(stages=8, microbatches=4)", "8,", "need 8 layers; y has 4"),
+    ('pipeline(stages=2, microbatches=4, layers=[4, 0])', "layers=", "virtual stage 1 has no layers"),
+    ('pipeline(stages=2, microbatches=4, layers=[2, 1])', "layers=", "adds up to 3; y has 4"),
+    ('pipeline(stages=1, microbatches=4, order="interleaved", chunks=3)', "3)", "does not divide y's 4 layers"),
+    ('pipeline(stages=2, microbatches=3, order="interleaved")', "3,", "microbatches=3"),
+    ('pipeline(stages=2, microbatches=4, order="pipedream")', '"pipedream"', "unknown"),
+    ('pipeline(stages=2, microbatches=8, order="gpipe", max_activations=4)', "4)",
+     "holds 8 micro-batches' activations at once on rank 0"),
+    ("pipeline(stages=2)", "pipeline", "needs microbatches="),
+    ("pipeline(stages=2, microbatches=4, order=gpipe)", "gpipe", "order is a string"),
+    ("pipeline(w1, stages=2, microbatches=4)", "w1", "'w1' is not a repeat of model (its repeats: y)"),
+])
+def test_an_illegal_pipeline_schedule_is_refused_at_its_place(line: str, at: str, says: str) -> None:
+    """Each at the argument that is wrong (line and column), saying what to write instead."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    src = _schedule(line)
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert says in d.message, d.message
+    assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(line)) + 1, 5 + line.index(at)), d

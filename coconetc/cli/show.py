@@ -64,8 +64,18 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
         from coconetc.plan.show import show as show_plan
         plan = mod.plans[(name, label.name)] if after is None else plan_program(ir, label.name, after=after)
         click.echo(show_plan(plan), nl=False)
+        if not label.default:
+            _show_pipeline(mod, name, label.name)
         return
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
+
+
+def _show_pipeline(mod, name: str, schedule: str) -> None:
+    """A pipeline directive's stages, each rank's actions and the simulated timeline."""
+    from coconetc.schedule.pipeline import Pipeline, timeline_text
+    for d in mod.schedule(name, schedule).directives:
+        if isinstance(d, Pipeline):
+            click.echo(timeline_text(mod.programs[name], d))
 
 
 def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None,

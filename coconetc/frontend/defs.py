@@ -65,7 +65,7 @@ def builtin_of(call: syntax.Call) -> ops.OpDef | None:
         forms = sorted((d for d in ops.REGISTRY.values() if d.written == call.fn or d.name == call.fn),
                        key=lambda d: len(d.values))
         said = " or ".join(f"{len(d.values)} ({call.fn}({', '.join(a.name for a in d.values)}))" for d in forms)
-        extra = (list(call.args) + [k.value for k in call.kwargs])[max(arities):]
+        extra = (list(call.args) + [k.value for k in call.kwargs if not isinstance(k.value, (syntax.String, syntax.ShapeArg))])[max(arities):]
         raise TypeErr(extra[0].span if extra else call.span, f"{call.fn}() takes {said} arguments, got {n}")
     return ops.called(call.fn, n if arities else None)
 
@@ -85,6 +85,7 @@ def bind(call: syntax.Call, names: tuple[str, ...], defaults: dict[str, object]
             raise TypeErr(kw.span, f"{call.fn}() has no argument '{kw.name}'")
         if kw.name in bound:
             raise TypeErr(kw.span, f"{call.fn}() got '{kw.name}' twice")
+        assert not isinstance(kw.value, (syntax.String, syntax.ShapeArg)), kw  # the parser refuses them here
         bound[kw.name] = kw.value
     missing = [n for n in names if n not in bound]
     if missing:
@@ -204,15 +205,15 @@ def _call_operands(call: syntax.Call, d: syntax.OpDecl, decls: dict[str, syntax.
         except TypeErr as e:
             errors = e.diagnostics
             err(errors[0].span, errors[0].message)
-            return list(call.args) + [k.value for k in call.kwargs]
+            return list(call.args) + [k.value for k in call.kwargs if not isinstance(k.value, (syntax.String, syntax.ShapeArg))]
     try:
         entry = builtin_of(call)
     except TypeErr as e:
         err(e.diagnostics[0].span, e.diagnostics[0].message)
-        return list(call.args) + [k.value for k in call.kwargs]
+        return list(call.args) + [k.value for k in call.kwargs if not isinstance(k.value, (syntax.String, syntax.ShapeArg))]
     if call.fn in RESERVED or entry is None or (entry.extern is not None and call.fn not in scope.externs):
         err(call.fn_span, f"unknown operation '{call.fn}' in the body of '{d.name}'")
-        return list(call.args) + [k.value for k in call.kwargs]
+        return list(call.args) + [k.value for k in call.kwargs if not isinstance(k.value, (syntax.String, syntax.ShapeArg))]
     if entry.kind == "collective":
         err(call.fn_span, f"{call.fn}() communicates; an operation's body computes only "
             "(call the collective in the program)")

@@ -290,6 +290,23 @@ def _bin(op: str) -> Callable[[_ToAst, Any, list], syntax.BinOp]:
     return rule
 
 
+def _no_options(e) -> None:
+    """A string or a list as a keyword's value is a schedule directive's option
+    (`pipeline(order="1f1b", layers=[3, 1])`); in a program or a definition, an error at it."""
+    if isinstance(e, syntax.Call):
+        for a in (*e.args, *(k.value for k in e.kwargs)):
+            if isinstance(a, (syntax.String, syntax.ShapeArg)) and any(k.value is a for k in e.kwargs):
+                what = "a string" if isinstance(a, syntax.String) else "a list"
+                raise CompileError.at(a.span, f"{e.fn}()'s {next(k.name for k in e.kwargs if k.value is a)} "
+                                      f"is {what}: only a schedule's directives take one")
+            _no_options(a)
+    elif isinstance(e, syntax.BinOp):
+        _no_options(e.left)
+        _no_options(e.right)
+    elif isinstance(e, syntax.Neg):
+        _no_options(e.operand)
+
+
 @v_args(meta=True)
 class _ToAst(Transformer):
     """Lark tree -> syntax nodes. One method per grammar rule."""
@@ -311,6 +328,8 @@ class _ToAst(Transformer):
     def program(self, meta, ch):
         name, *rest = ch
         params, body = tuple(p for p in rest[:-1] if p is not None), rest[-1]
+        for stmt in body:
+            _no_options(getattr(stmt, "value", None))
         return syntax.Program(str(name), params, body, self._span(meta), self._tspan(name))
 
     def _names(self, toks) -> tuple[syntax.Name, ...]:
@@ -318,6 +337,7 @@ class _ToAst(Transformer):
 
     def opdef(self, meta, ch):
         name, *params, body = ch
+        _no_options(body)
         return syntax.OpDecl(str(name), self._names(params), body, self._span(meta), self._tspan(name))
 
     def extern(self, meta, ch):
@@ -408,7 +428,15 @@ class _ToAst(Transformer):
         return syntax.Call(str(fn), pos, kws, self._span(meta), self._tspan(fn))
 
     def kwarg(self, meta, ch):
-        return syntax.Kwarg(str(ch[0]), ch[1], self._span(meta))
+        value = ch[1]
+        if isinstance(value, Token):  # a STRING
+            value = syntax.String(str(value)[1:-1], self._tspan(value))
+        return syntax.Kwarg(str(ch[0]), value, self._span(meta))
+
+    def kwarg_list(self, meta, ch):
+        name, *dims = ch
+        return syntax.Kwarg(str(name), syntax.ShapeArg(tuple(d for d in dims if d is not None), self._span(meta)),
+                            self._span(meta))
 
     def neg(self, meta, ch):
         return syntax.Neg(ch[0], self._span(meta))

@@ -35,7 +35,7 @@ class Name:
 @dataclass(frozen=True)
 class Kwarg:
     name: str
-    value: Expr
+    value: Expr | String | ShapeArg  # a string or a list only where a schedule directive takes one
     span: Span = field(compare=False)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
+from coconetc.schedule.pipeline import Pipeline
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class OverlapD:
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
-Directive = Split | Reorder | Slice | Fuse | OverlapD
+Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline
 
 
 def span_of(d: Directive, key: str) -> Span:
@@ -83,7 +84,9 @@ def _where(targets, call: syntax.Call) -> tuple[tuple[str, Span], ...]:
     for k in call.kwargs:
         spans.setdefault(k.name + "=", k.value.span)
     return tuple(spans.items())
-_ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0)}
+_ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0),
+          "pipeline": (0, 0)}
+_PIPELINE = {"stages", "microbatches", "order", "chunks", "layers", "max_activations"}
 
 
 def from_ast(body: tuple[syntax.Stmt, ...]) -> list[Directive]:
@@ -110,7 +113,7 @@ def _directive(stmt: syntax.Stmt) -> Directive:
     call = stmt.value
     if not isinstance(call, syntax.Call) or call.fn not in _ARITY:
         span = call.fn_span if isinstance(call, syntax.Call) else call.span
-        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap")
+        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap, pipeline")
     lo, hi = _ARITY[call.fn]
     if not lo <= len(targets) <= hi:
         want = f"{lo}" if lo == hi else f"{lo} to {hi}"
@@ -119,6 +122,8 @@ def _directive(stmt: syntax.Stmt) -> Directive:
     kws = {k.name: k for k in call.kwargs}
     outs = tuple(t.id for t in targets)
     where = _where(targets, call)
+    if call.fn == "pipeline":
+        return _pipeline(call, names, kws, stmt.span, where)
     if call.fn == "split":
         _only(call, kws, {"dim"})
         return Split(_one(names, call), _int(kws.get("dim"), call, 0), outs[0], outs[1], stmt.span, where)
@@ -137,6 +142,33 @@ def _directive(stmt: syntax.Stmt) -> Directive:
         raise _err(call.span, "overlap() needs chunks=k")
     dim = _int(kws["dim"], call, 0) if "dim" in kws else None
     return OverlapD(names[0], names[1], _int(kws["chunks"], call, 1), dim, stmt.span, where)
+
+
+def _pipeline(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg], span: Span,
+              where: tuple[tuple[str, Span], ...]) -> Pipeline:
+    _only(call, kws, _PIPELINE)
+    if len(names) > 1:
+        raise _err(call.span, "pipeline() takes at most one name: the repeat whose layers it cuts")
+    for need in ("stages", "microbatches"):
+        if need not in kws:
+            raise _err(call.span, f"pipeline() needs {need}=")
+    order = "1f1b"
+    if "order" in kws:
+        v = kws["order"].value
+        if not isinstance(v, syntax.String):
+            raise _err(v.span, 'pipeline()\'s order is a string: "gpipe", "1f1b", "interleaved" or "zero_bubble"')
+        order = v.text
+    layers = None
+    if "layers" in kws:
+        v = kws["layers"].value
+        if not (isinstance(v, syntax.ShapeArg) and all(isinstance(x, syntax.DimInt) for x in v.dims)):
+            raise _err(v.span, "pipeline()'s layers is a list of integers, each virtual stage's layer count: "
+                               "layers=[3, 1]")
+        layers = tuple(int(x.value) for x in v.dims if isinstance(x, syntax.DimInt))
+    chunks = _int(kws.get("chunks"), call, 1) if "chunks" in kws else (2 if order == "interleaved" else 1)
+    most = _int(kws["max_activations"], call, 1) if "max_activations" in kws else None
+    return Pipeline(names[0] if names else None, _int(kws["stages"], call, 1), _int(kws["microbatches"], call, 1),
+                    order, chunks, layers, most, span, where)
 
 
 def _name(a: syntax.Expr, call: syntax.Call) -> str:
@@ -161,7 +193,7 @@ def _int(kw: syntax.Kwarg | None, call: syntax.Call, lowest: int) -> int:
     if kw is None:
         return lowest
     v = kw.value
-    if not (isinstance(v, syntax.Number) and not v.is_float and v.value >= lowest):
+    if not (isinstance(v, syntax.Number) and not v.is_float and int(v.value) >= lowest):
         raise _err(v.span, f"{call.fn}()'s {kw.name} must be an integer >= {lowest}")
     return int(v.value)
 
@@ -179,6 +211,14 @@ def text(d: Directive) -> str:
     if isinstance(d, Fuse):
         name = f"{d.name} = " if d.name else ""
         return f"{name}fuse({', '.join(d.stages)})"
+    if isinstance(d, Pipeline):
+        args = [d.repeat] if d.repeat else []
+        args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"', f"chunks={d.chunks}"]
+        if d.layers is not None:
+            args.append(f"layers=[{', '.join(map(str, d.layers))}]")
+        if d.max_activations is not None:
+            args.append(f"max_activations={d.max_activations}")
+        return f"pipeline({', '.join(args)})"
     dim = f", dim={d.dim}" if d.dim is not None else ""
     return f"overlap({d.producer}, {d.consumer}, chunks={d.chunks}{dim})"
 

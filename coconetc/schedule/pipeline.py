@@ -1,0 +1,156 @@
+"""The `pipeline(...)` directive: a model program's layers cut into pipeline stages, run on
+micro-batches in an order of coconetc.pipeline.orders (docs/pipeline.md).
+
+    schedule pp for gpt {
+        pipeline(stages=2, microbatches=4, order="zero_bubble")
+    }
+
+It names the repeat whose layers it cuts (`pipeline(y, ...)`, or the program's only repeat) and
+takes: stages (pipeline ranks, P), microbatches (M), order (a name of orders.ORDERS, default
+"1f1b"), chunks (V model chunks a rank, the interleaved order's; default 1, or 2 for it),
+layers (each virtual stage's layer count, in stage order; default as even as can be, the first
+stages taking one more) and max_activations (refuses an order under which a rank would hold
+more micro-batches' activations at once). It changes nothing the program computes: the
+program is checked against it (the layers are there, the split is legal, the order exists and
+keeps to the limit) and the plan shows its timeline."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from coconetc.errors import CompileError, Span
+from coconetc.ir.layers import layer_ranges
+from coconetc.ir.nodes import Program
+from coconetc.pipeline import orders
+
+_REPEAT = re.compile(r"(.+?)__l(\d+)__.+")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """pipeline([repeat, ]stages=P, microbatches=M, order="1f1b", chunks=V, layers=[...], max_activations=K)"""
+
+    repeat: str | None
+    stages: int
+    microbatches: int
+    order: str
+    chunks: int
+    layers: tuple[int, ...] | None
+    max_activations: int | None
+    span: Span = field(compare=False)
+    where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
+
+    def at(self, key: str) -> Span:
+        return dict(self.where).get(key) or self.span
+
+
+def repeats(p: Program) -> list[str]:
+    """The names of p's repeats (`y = repeat(...)`: stages `y__l<k>__...`), in order."""
+    found: dict[str, None] = {}
+    for s in p.stages:
+        m = _REPEAT.fullmatch(s.name)
+        if m:
+            found.setdefault(m.group(1))
+    return list(found)
+
+
+def repeat_of(p: Program, d: Pipeline) -> str:
+    """The repeat D cuts: the one it names, or p's only one."""
+    names = repeats(p)
+    if d.repeat is not None:
+        if d.repeat not in names:
+            raise CompileError.at(d.at(d.repeat), f"pipeline(): '{d.repeat}' is not a repeat of {p.name} "
+                                  f"(its repeats: {', '.join(names) or 'none'})")
+        return d.repeat
+    if len(names) != 1:
+        why = "has no repeat (`y = repeat(block, x, ...)`) to cut into stages" if not names else \
+            f"has {len(names)} repeats ({', '.join(names)}): name the one to cut, pipeline({names[0]}, ...)"
+        raise CompileError.at(d.at("()"), f"pipeline(): {p.name} {why}")
+    return names[0]
+
+
+def split_layers(n: int, stages: int) -> tuple[int, ...]:
+    """N layers over STAGES virtual stages, as even as can be, the first ones taking one more."""
+    q, r = divmod(n, stages)
+    return tuple(q + (s < r) for s in range(stages))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What a checked pipeline directive runs: the order, and each virtual stage's layers."""
+
+    repeat: str
+    order: orders.Order
+    layers: tuple[tuple[int, int], ...]  # virtual stage -> [first layer, stop)
+
+
+def cut(p: Program, d: Pipeline) -> Cut:
+    """D checked against p; raises CompileError at the argument that is wrong."""
+    name = repeat_of(p, d)
+    n = len(layer_ranges(p, name))
+    virtual = d.stages * d.chunks
+    if virtual > n:
+        raise CompileError.at(d.at("stages="), f"pipeline(): {d.stages} stages x {d.chunks} chunks need {virtual} "
+                              f"layers; {name} has {n} (use stages={max(1, n // d.chunks)} or fewer)")
+    if d.chunks > 1 and n % d.chunks:
+        raise CompileError.at(d.at("chunks="), f"pipeline(): chunks={d.chunks} does not divide {name}'s {n} layers "
+                              f"into equal chunks a rank (use a chunk count that divides {n})")
+    sizes = d.layers if d.layers is not None else split_layers(n, virtual)
+    if d.layers is not None:
+        if len(sizes) != virtual:
+            raise CompileError.at(d.at("layers="), f"pipeline(): layers= gives {len(sizes)} stages' layers; "
+                                  f"the pipeline has {virtual} virtual stages ({d.stages} x {d.chunks})")
+        if any(k < 1 for k in sizes):
+            s = next(i for i, k in enumerate(sizes) if k < 1)
+            raise CompileError.at(d.at("layers="), f"pipeline(): virtual stage {s} has no layers; every stage "
+                                  "needs at least one")
+        if sum(sizes) != n:
+            raise CompileError.at(d.at("layers="), f"pipeline(): layers= adds up to {sum(sizes)}; {name} has {n}")
+    try:
+        order = orders.make(d.order, d.stages, d.microbatches, d.chunks)
+    except ValueError as err:
+        key = "order=" if "order" in str(err) and d.order not in orders.ORDERS else \
+            "microbatches=" if "microbatch" in str(err) else "chunks="
+        raise CompileError.at(d.at(key), f"pipeline(): {err}") from None
+    if d.max_activations is not None:
+        t = orders.simulate(order)
+        peak = [t.peak_activations(r) for r in range(d.stages)]
+        worst = max(range(d.stages), key=lambda r: peak[r])
+        if peak[worst] > d.max_activations:
+            raise CompileError.at(d.at("max_activations="), f"pipeline(): order {d.order} holds {peak[worst]} "
+                                  f"micro-batches' activations at once on rank {worst}, over max_activations="
+                                  f"{d.max_activations} (fewer micro-batches, or order \"1f1b\")")
+    bounds, start = [], 0
+    for k in sizes:
+        bounds.append((start, start + k))
+        start += k
+    return Cut(name, order, tuple(bounds))
+
+
+def check(p: Program, d: Pipeline) -> Program:
+    """apply()'s entry: the program unchanged, once D is legal for it."""
+    cut(p, d)
+    return p
+
+
+def timeline_text(p: Program, d: Pipeline, width: int = 100) -> str:
+    """The plan's pipeline section: each virtual stage's layers, each rank's actions in order,
+    and the simulated timeline (orders.render) with the bubble and the peak activations; the
+    costs: a forward of one layer 1, its backward 2 (input gradient 1 and weight gradient 1
+    when the order splits it), each scaled by the stages' mean layer count."""
+    c = cut(p, d)
+    order = c.order
+    lines = [f"# pipeline: {d.stages} stages x {d.chunks} chunk(s) a rank, {d.microbatches} micro-batches, "
+             f"order {d.order}, the layers of {c.repeat}"]
+    for s, (a, b) in enumerate(c.layers):
+        rank, chunk = order.place(s)
+        lines.append(f"#   virtual stage {s} (rank {rank}, chunk {chunk}): layers {a}..{b - 1}")
+    for r, acts in enumerate(order.actions):
+        lines.append(f"#   rank {r}: {' '.join(map(str, acts))}")
+    per_stage = [b - a for a, b in c.layers]
+    mean = sum(per_stage) / len(per_stage)
+    costs = orders.Costs(forward=mean, backward=2 * mean, input_grad=mean, weight_grad=mean)
+    t = orders.simulate(order, costs)
+    lines += [f"# {ln}" for ln in orders.render(t, width).splitlines()]
+    return "\n".join(lines)
