@@ -32,7 +32,8 @@ test: lint
 test-quick: lint
 	$(PY) -m pytest -n 2 -m "not slow" tests
 
-# every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2; the Adam step once more on 4
+# every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2; pipeline parallelism on 4:
+# P = 2 and 4 stages; the Adam step once more on 4
 # ranks as 2 simulated nodes: hierarchical against flat and one node), side by side in one run
 # each; tables on stdout, JSON and PNG plots in bench/results/ (docs/performance.md)
 BENCH_ARGS ?=
@@ -49,6 +50,7 @@ bench: $(STAMP)
 	$(PY) bench/tp_mlp.py --dtype f32
 	$(PY) bench/tp_mlp.py --dtype bf16
 	$(PY) bench/gpt_block.py --sdpa
+	$(PY) bench/pipeline.py --json bench/results/pipeline_f32.json
 	$(PY) bench/attention_cpu.py
 	$(PY) bench/call_overhead.py
 	$(PY) bench/warm_load.py

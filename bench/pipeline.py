@@ -1,0 +1,677 @@
+"""Pipeline parallelism, coconet against torch.distributed.pipelining, side by side in one run:
+a nanoGPT-shaped GPT (bench/nanogpt.py, f32) cut into P stages of one rank each, P in --stages
+(2, 4), M in --microbatches (4, 8) micro-batches, every order of coconetc.pipeline.orders:
+
+  coconet  coconetc.torch.pipeline: the blocks gpt_block.ccn's `gpt_block` (compiled forward,
+           derived backward; under zero_bubble its B/W split), the embeddings and the tied head
+           in torch; Pipeline(...).step(idx, targets)
+  torch    the same model's nanoGPT Blocks (the same weights) in torch.distributed.pipelining
+           PipelineStages over gloo: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (2
+           stages a rank), ScheduleInterleavedZeroBubble (ZB1P, one stage a rank; where torch
+           refuses it, ScheduleZBVZeroBubble with 2 stages a rank, and the reason is reported)
+
+Both run the same layer cut (layer bounds as even as can be, interleaved: virtual stage
+c * P + rank), the same weights, the same batch; the first step's mean losses are checked to
+agree within 1e-4 relative. A step is the pipeline's forward and backward over the batch (the
+gradients left in .grad; no optimizer step, no tied-embedding all-reduce, in either).
+
+Per (P, M, order):
+  * iteration time: median over --reps steps (after one warm-up step) of the slowest rank's
+    time from a barrier to the end of its step; coconet's and torch's steps alternate;
+  * measured bubble (coconet): 1 - busy / (P x makespan) from Pipeline.events of every rank
+    (times from the step's start, right after a barrier; gathered to rank 0), median over the
+    steps;
+  * predicted bubble: orders.simulate(order, Costs(...)) with costs the median F, B, W action
+    times of coconet's own events (one cost per kind for every stage: the first stage's
+    embeddings and the last stage's head and loss are averaged in; transfers cost 0); and
+    "pred/st", the same simulation with each rank's own median F, B, W (the stages' imbalance
+    in: what is left between it and the measured bubble is waiting the model does not know of,
+    messages and the cores' sharing);
+  * peak activations per rank: coconet: Timeline.peak_activations of the measured timeline
+    (micro-batches held, per chunk) x the bytes of one micro-batch's Layer.saved values on the
+    rank's chunk (the coconet layers only: the torch embeddings/head graph not counted; under
+    zero_bubble the B's kept values between B and W neither); torch: the most entries in the
+    rank's stages' fwd_cache + backward_state at once (micro-batches whose autograd graph is
+    alive) x the bytes of the tensors autograd saves in one micro-batch's forward of the stage
+    (saved_tensors_hooks, each storage once). The largest over the ranks is shown.
+
+Run: python bench/pipeline.py [--layers 8] [--hidden 256] [--heads 4] [--seq 128] [--batch 8]
+     [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble]
+     [--reps 5] [--json PATH]
+It relaunches itself on max(--stages) ranks under mpiexec (the ranks past a pipeline's P wait
+at the barriers); rank 0 prints the table (and with --json writes every number)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+_EXAMPLE = HERE.parent / "examples" / "gpt_block.ccn"
+GPT_BLOCK: str | Path = _EXAMPLE if _EXAMPLE.exists() else "gpt_block.ccn"  # the shipped example by name
+PROGRAM = "gpt_block"
+ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+TORCH_ORDERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                "zero_bubble": "ScheduleInterleavedZeroBubble"}
+V_INTERLEAVED = 2
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def layer_bounds(layers: int, stages: int) -> list[int]:
+    """examples/train_gpt.py's cut: as even as can be, the first stages one more."""
+    q, rem = divmod(layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + q + (s < rem))
+    return bounds
+
+
+def check_args(a: argparse.Namespace) -> None:
+    if a.hidden % a.heads:
+        raise SystemExit(f"--hidden {a.hidden} is not a multiple of --heads {a.heads}")
+    for o in a.orders:
+        if o not in ORDERS:
+            raise SystemExit(f"--orders: unknown order {o!r} ({', '.join(ORDERS)})")
+    for P in a.stages:
+        if P < 2:
+            raise SystemExit(f"--stages {P}: a pipeline of at least 2 stages")
+        need = P * (V_INTERLEAVED if "interleaved" in a.orders or "zero_bubble" in a.orders else 1)
+        if a.layers < need:
+            raise SystemExit(f"--layers {a.layers}: fewer than the {need} virtual stages of P={P} "
+                             f"({V_INTERLEAVED} a rank under interleaved, and torch's ZBV fallback)")
+    for M in a.microbatches:
+        if a.batch % M:
+            raise SystemExit(f"--batch {a.batch} does not split into {M} equal micro-batches")
+
+
+# --- the model ------------------------------------------------------------------------------------
+def base_model(a: argparse.Namespace) -> Any:
+    """nanoGPT's GPT, seeded, its layernorms and biases moved off 1 and 0 (bench/gpt_block.py --model)."""
+    import torch
+    import nanogpt
+    cfg = nanogpt.GPTConfig(block_size=a.seq, vocab_size=a.vocab, n_layer=a.layers, n_head=a.heads,
+                            n_embd=a.hidden)
+    torch.manual_seed(0)
+    m = nanogpt.GPT(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.1)
+    return m
+
+
+def coconet_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int, comm: Any, block: Any) -> Any:
+    """(Pipeline, its chunks, its parameters) of this rank (pipeline rank comm.Get_rank() of P)."""
+    import torch
+    import torch.nn.functional as F
+
+    from coconetc.torch.gpt import block_parameters
+    from coconetc.torch.pipeline import Chunk, Pipeline
+    s = comm.Get_rank()
+    V = V_INTERLEAVED if order == "interleaved" else 1
+    bounds = layer_bounds(a.layers, P * V)
+    tr = model.transformer
+    scale = 1.0 / math.sqrt(a.hidden // a.heads)
+    params: list[torch.Tensor] = []
+    chunks = []
+    for c in range(V):
+        stage = c * P + s
+        layers = []
+        for i in range(bounds[stage], bounds[stage + 1]):
+            ws = {k: v.clone().contiguous().requires_grad_(True) for k, v in block_parameters(tr.h[i], a.heads).items()}
+            params += ws.values()
+            layers.append(block.layer(ws, scale=scale, pdrop=0.0, seed=i))
+        pre = post = None
+        if stage == 0:
+            wte = tr.wte.weight.detach().clone().requires_grad_(True)
+            wpe = tr.wpe.weight.detach().clone().requires_grad_(True)
+            params += [wte, wpe]
+
+            def pre(idx: torch.Tensor, wte=wte, wpe=wpe) -> torch.Tensor:
+                return wte[idx] + wpe[:idx.shape[1]]
+        if stage == P * V - 1:
+            head = tr.wte.weight.detach().clone().requires_grad_(True)
+            lw = tr.ln_f.weight.detach().clone().requires_grad_(True)
+            lb = tr.ln_f.bias.detach().clone().requires_grad_(True)
+            params += [head, lw, lb]
+
+            def post(x: torch.Tensor, head=head, lw=lw, lb=lb) -> torch.Tensor:
+                return F.layer_norm(x, (a.hidden,), lw, lb, 1e-5) @ head.T
+        chunks.append(Chunk(layers, pre=pre, post=post))
+
+    def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, a.vocab), tgt.reshape(-1))
+    return Pipeline(chunks, order, microbatches=M, comm=comm, loss_fn=loss_fn), chunks, params
+
+
+def coconet_saved_bytes(chunks: list[Any], a: argparse.Namespace, M: int) -> int:
+    """Bytes of one micro-batch's Layer.saved values in the largest of this rank's chunks (a
+    forward of a zero micro-batch through each layer; the saved values dropped after)."""
+    import torch
+    best = 0
+    for ch in chunks:
+        x = torch.zeros(a.batch // M, a.seq, a.hidden)
+        total = 0
+        for layer in ch.layers:
+            x = layer.forward(-1, x)
+            total += sum(t.numel() * t.element_size() for t in layer.saved.pop(-1).values())
+        best = max(best, total)
+    return best
+
+
+class TorchStage:
+    """nn.Module of one virtual stage for torch.distributed.pipelining: the embeddings (first),
+    nanoGPT blocks LO..HI, ln_f and the tied head (last); copies of the model's modules."""
+
+    @staticmethod
+    def make(model: Any, lo: int, hi: int, first: bool, last: bool) -> Any:
+        import copy
+
+        import torch
+        from torch import nn
+
+        class Stage(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                tr = model.transformer
+                self.first, self.last = first, last
+                if first:
+                    self.wte, self.wpe = copy.deepcopy(tr.wte), copy.deepcopy(tr.wpe)
+                self.h = nn.ModuleList(copy.deepcopy(tr.h[i]) for i in range(lo, hi))
+                if last:
+                    self.ln_f = copy.deepcopy(tr.ln_f)
+                    self.lm_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
+                    with torch.no_grad():
+                        self.lm_head.weight.copy_(tr.wte.weight)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.first:
+                    x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+                for b in self.h:
+                    x = b(x)
+                if self.last:
+                    x = self.lm_head(self.ln_f(x))
+                return x
+        return Stage()
+
+
+def torch_saved_bytes(mod: Any, x: Any) -> int:
+    """Bytes autograd saves in one forward of MOD on X (each storage once)."""
+    import torch
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except Exception:  # noqa: BLE001
+            pass
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mod(x)
+    del out
+    return sum(seen.values())
+
+
+def torch_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int, group: Any) -> dict[str, Any]:
+    """torch's schedule for ORDER on this rank (group rank of P): {schedule, stages, name, V,
+    note, saved_bytes}; raises what torch raises."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed import pipelining as pp
+    import torch.distributed as dist
+    r = dist.get_rank(group)
+    note = ""
+
+    def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, a.vocab), tgt.reshape(-1))
+
+    def build(V: int, stage_ids: list[int], cls: Any) -> dict[str, Any]:
+        bounds = layer_bounds(a.layers, P * V)
+        mods = [TorchStage.make(model, bounds[i], bounds[i + 1], i == 0, i == P * V - 1) for i in stage_ids]
+        stages = [pp.PipelineStage(m, i, P * V, torch.device("cpu"), group=group) for m, i in zip(mods, stage_ids)]
+        if V == 1 and cls in (pp.ScheduleGPipe, pp.Schedule1F1B):
+            sched = cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
+        else:
+            sched = cls(stages, n_microbatches=M, loss_fn=loss_fn)
+        # bytes saved by one micro-batch's forward of each local stage (its input: tokens or a hidden state)
+        mb = a.batch // M
+        saved = 0
+        for m, i in zip(mods, stage_ids):
+            x = (torch.zeros(mb, a.seq, dtype=torch.long) if i == 0
+                 else torch.zeros(mb, a.seq, a.hidden, requires_grad=True))
+            saved = max(saved, torch_saved_bytes(m, x))
+        first = 0 in stage_ids
+        last = P * V - 1 in stage_ids
+        return {"schedule": sched, "stages": stages, "mods": mods, "name": cls.__name__, "V": V,
+                "first": first, "last": last, "saved_bytes": saved}
+
+    if order == "gpipe":
+        got = build(1, [r], pp.ScheduleGPipe)
+    elif order == "1f1b":
+        got = build(1, [r], pp.Schedule1F1B)
+    elif order == "interleaved":
+        got = build(V_INTERLEAVED, [r + c * P for c in range(V_INTERLEAVED)], pp.ScheduleInterleaved1F1B)
+    else:
+        try:
+            got = build(1, [r], pp.ScheduleInterleavedZeroBubble)
+        except Exception as err:  # noqa: BLE001  torch's reason, reported; then what it offers
+            note = (f"ScheduleInterleavedZeroBubble with one stage a rank: {type(err).__name__}: {err}; "
+                    "ran ScheduleZBVZeroBubble (2 stages a rank, V-shaped: rank r holds stages r and 2P-1-r)")
+            got = build(2, [r, 2 * P - 1 - r], pp.ScheduleZBVZeroBubble)
+    got["note"] = note
+    return got
+
+
+def torch_step(tp: dict[str, Any], idx: Any, tgt: Any, live: list[int]) -> float | None:
+    """One step of torch's schedule; the mean loss on the rank of the last stage."""
+    sched = tp["schedule"]
+    losses: list[Any] = []
+    kw: dict[str, Any] = {}
+    if tp["last"]:
+        kw = {"target": tgt, "losses": losses}
+    if tp["first"]:
+        sched.step(idx, **kw)
+    else:
+        sched.step(**kw)
+    return float(sum(float(x) for x in losses) / len(losses)) if tp["last"] else None
+
+
+def watch_live(tp: dict[str, Any], peak: list[int]) -> None:
+    """PEAK[0]: the most micro-batches (per stage) whose forward state this rank's stages hold at once."""
+    stages = tp["stages"]
+
+    def count() -> None:
+        peak[0] = max(peak[0], sum(len(s.fwd_cache) + len(s.backward_state) for s in stages))
+    for s in stages:
+        orig = s.forward_one_chunk
+
+        def fwd(*args: Any, orig=orig, **kw: Any) -> Any:
+            out = orig(*args, **kw)
+            count()
+            return out
+        s.forward_one_chunk = fwd
+
+
+# --- the run ----------------------------------------------------------------------------------------
+def barrier(world: Any, inside: bool) -> None:
+    """Every rank of WORLD together (MPI_Ibarrier): the pipeline's ranks poll it, the ranks
+    outside the pipeline sleep between polls (they leave the cores to those that run)."""
+    req = world.Ibarrier()
+    while not req.Test():
+        if not inside:
+            time.sleep(0.0005)
+
+
+def watch_recv(pipe: Any) -> list[tuple[float, float]]:
+    """The (start, end) perf_counter times of every receive of PIPE (a receive blocks inside the
+    action that needs it: that wait is idle time, not work); cleared by the caller."""
+    waits: list[tuple[float, float]] = []
+    orig = pipe._recv
+
+    def recv(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        out = orig(*args, **kw)
+        waits.append((t, time.perf_counter()))
+        return out
+    pipe._recv = recv
+    return waits
+
+
+def work_events(pipe: Any, base: float, waits: list[tuple[float, float]]) -> list[tuple]:
+    """This rank's (kind, m, chunk, start, end, work) of the last step, times from BASE (the
+    perf_counter just before step(), after the barrier; the step's own start is microseconds
+    later); work: the action's time less its receives' waits."""
+    rel = [(s - base, e - base) for s, e in waits]
+    out = []
+    for ev in pipe.events:
+        blocked = sum(e - s for s, e in rel if ev.start - 1e-4 <= (s + e) / 2 <= ev.end + 1e-4)
+        out.append((ev.kind, ev.microbatch, ev.chunk, ev.start, ev.end, max(ev.end - ev.start - blocked, 0.0)))
+    return out
+
+
+def bubble_of(events: list[list[tuple]]) -> float:
+    """Idle fraction of every rank's events: 1 - work / (ranks x makespan), the makespan from
+    the first action's start to the last one's end over the ranks."""
+    allev = [e for evs in events for e in evs]
+    span = max(e[4] for e in allev) - min(e[3] for e in allev)
+    return 1 - sum(e[5] for e in allev) / (len(events) * span) if span > 0 else 0.0
+
+
+def simulate_per_stage(o: Any, cost: dict[tuple[int, int, str], float]) -> float:
+    """The bubble of order O when each (rank, chunk, kind) action takes COST's time (its median
+    on that rank; orders.simulate's rules: each rank runs its list in order, an action starts
+    when its rank is free and what it needs has ended; transfers free)."""
+    P = o.ranks
+    ends: dict[tuple[int, int, str], float] = {}
+    nxt, free, busy = [0] * P, [0.0] * P, [0.0] * P
+
+    def needs(stage: int, m: int, kind: str) -> list[tuple[int, int, str]]:
+        if kind == "F":
+            return [(stage - 1, m, "F")] if stage > 0 else []
+        if kind == "B":
+            return [(stage, m, "F")] + ([(stage + 1, m, "B")] if stage < o.stages - 1 else [])
+        return [(stage, m, "B")]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(P):
+            while nxt[r] < len(o.actions[r]):
+                act = o.actions[r][nxt[r]]
+                key = (o.stage(r, act.chunk), act.microbatch, act.kind)
+                if any(n not in ends for n in needs(*key)):
+                    break
+                t = cost[r, act.chunk, act.kind]
+                start = max([free[r]] + [ends[n] for n in needs(*key)])
+                ends[key] = free[r] = start + t
+                busy[r] += t
+                nxt[r] += 1
+                progress = True
+    span = max(free)
+    return 1 - sum(busy) / (P * span) if span > 0 else 0.0
+
+
+class Case:
+    """One (P, M, order) on every rank of WORLD; SUB and GROUP: the pipeline's P ranks' MPI
+    communicator and torch process group (None on the other ranks)."""
+
+    def __init__(self, world: Any, sub: Any, group: Any, P: int, M: int, order: str, a: argparse.Namespace,
+                 model: Any, block: Any):
+        self.world, self.sub, self.P, self.M, self.order, self.a = world, sub, P, M, order, a
+        self.inside = world.Get_rank() < P
+        self.tp: dict[str, Any] | None = None
+        self.live = [0]
+        err = ""
+        if self.inside:
+            self.pipe, self.chunks, self.cparams = coconet_pipeline(model, a, order, M, P, sub, block)
+            self.waits = watch_recv(self.pipe)
+            try:
+                if a.no_torch:
+                    err = "not run (--no-torch)"
+                else:
+                    self.tp = torch_pipeline(model, a, order, M, P, group)
+                    watch_live(self.tp, self.live)
+            except Exception as e:  # noqa: BLE001
+                err = f"{type(e).__name__}: {e}"
+        self.torch_err = next((e for e in world.allgather(err) if e), "")
+
+    def coconet_step(self, idx: Any, tgt: Any) -> tuple[float, float | None, list[tuple]]:
+        """(seconds, loss on the last stage's rank, this rank's events) of one step."""
+        if not self.inside:
+            barrier(self.world, False)
+            return 0.0, None, []
+        for p in self.cparams:
+            p.grad = None
+        r, last = self.sub.Get_rank(), (self.P * self.pipe.order.chunks - 1) % self.P
+        self.waits.clear()
+        barrier(self.world, True)
+        t0 = time.perf_counter()
+        loss = self.pipe.step(idx if r == 0 else None, tgt if r == last else None)
+        dt = time.perf_counter() - t0
+        return dt, loss, work_events(self.pipe, t0, self.waits)
+
+    def torch_step(self, idx: Any, tgt: Any) -> tuple[float, float | None, str]:
+        """(seconds, loss on the last stage's rank, the error torch raised or "")."""
+        if not self.inside:
+            barrier(self.world, False)
+            return 0.0, None, ""
+        assert self.tp is not None
+        for m in self.tp["mods"]:
+            m.zero_grad(set_to_none=True)
+        barrier(self.world, True)
+        t0 = time.perf_counter()
+        try:
+            loss, err = torch_step(self.tp, idx, tgt, self.live), ""
+        except Exception as e:  # noqa: BLE001
+            loss, err = None, f"{type(e).__name__}: {e}"
+        return time.perf_counter() - t0, loss, err
+
+    def run(self, idx: Any, tgt: Any) -> dict[str, Any] | None:
+        """The timed steps (one warm-up, then --reps, coconet's and torch's in turn); rank 0's result."""
+        from mpi4py import MPI
+        world = self.world
+        ct: list[float] = []
+        tt: list[float] = []
+        events: list[list[list[tuple]]] = []  # per timed step, per rank
+        losses = (0.0, 0.0)
+        gc.collect()  # the previous case's garbage collected now, not inside a timed step
+        gc.disable()
+        for rep in range(self.a.reps + 1):
+            dt, cl, evs = self.coconet_step(idx, tgt)
+            ct.append(world.allreduce(dt, op=MPI.MAX))
+            got = world.gather(evs, root=0)
+            if rep > 0 and world.Get_rank() == 0:
+                events.append(got[:self.P])
+            tl = None
+            if not self.torch_err:
+                dt, tl, err = self.torch_step(idx, tgt)
+                tt.append(world.allreduce(dt, op=MPI.MAX))
+                self.torch_err = next((e for e in world.allgather(err) if e), "")
+            if rep == 0:
+                losses = (world.allreduce(cl or 0.0), world.allreduce(tl or 0.0))
+        gc.enable()
+        cbytes = coconet_saved_bytes(self.chunks, self.a, self.M) if self.inside else 0
+        tp = self.tp
+        per_rank = world.gather({"cbytes": cbytes, "tbytes": tp["saved_bytes"] if tp else 0, "tlive": self.live[0],
+                                 "tname": tp["name"] if tp else None, "tnote": tp["note"] if tp else ""}, root=0)
+        if world.Get_rank() != 0:
+            return None
+        return self.summary(ct[1:], tt[1:] if not self.torch_err else [], losses, events, per_rank[:self.P])
+
+    def summary(self, ct: list[float], tt: list[float], losses: tuple[float, float], events: list[Any],
+                per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+        from coconetc.pipeline import orders
+        P, M, order = self.P, self.M, self.order
+        res: dict[str, Any] = {"P": P, "M": M, "order": order, "coconet_s": statistics.median(ct),
+                               "coconet_times_s": ct, "torch_s": statistics.median(tt) if tt else None,
+                               "torch_times_s": tt, "torch_schedule": per_rank[0]["tname"],
+                               "torch_note": per_rank[0]["tnote"] or None, "torch_error": self.torch_err or None}
+        res["ratio"] = res["torch_s"] / res["coconet_s"] if tt else None
+        res["loss_coconet"], res["loss_torch"] = losses
+        if tt:
+            res["loss_rel_diff"] = abs(losses[0] - losses[1]) / abs(losses[1])
+            res["loss_match"] = res["loss_rel_diff"] <= 1e-4
+        res["bubble_measured"] = statistics.median(bubble_of(evs) for evs in events)
+        res["bubble_measured_by_step"] = [bubble_of(evs) for evs in events]
+        res["coconet_events_last_step"] = events[-1]  # per rank: (kind, micro-batch, chunk, start, end, work)
+        # the cost model with coconet's own action times (their work: receive waits taken out)
+        durs: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+        for evs in events:
+            for rank_evs in evs:
+                for e in rank_evs:
+                    durs[e[0]].append(e[5])
+        med = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
+        res["costs_s"] = med
+        o = orders.make(order, P, M, V_INTERLEAVED if order == "interleaved" else 1)
+        sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
+                                              weight_grad=med["W"]))
+        res["bubble_predicted"] = sim.bubble()
+        per: dict[tuple[int, int, str], list[float]] = {}
+        for evs in events:
+            for r, rank_evs in enumerate(evs):
+                for e in rank_evs:
+                    per.setdefault((r, e[2], e[0]), []).append(e[5])
+        per_med = {k: statistics.median(v) for k, v in per.items()}
+        res["costs_per_rank_s"] = [[r, c, k, t] for (r, c, k), t in sorted(per_med.items())]  # rank, chunk, kind
+        res["bubble_predicted_per_stage"] = simulate_per_stage(o, per_med)
+        res["bubble_textbook"] = orders.predicted_bubble(order, P, M, o.chunks,
+                                                         orders.Costs(med["F"], med["B"], med["B"], med["W"]))
+        # peak activations on the measured timeline of the last step
+        slots = tuple(orders.Slot(r, orders.Action(e[0], e[1], e[2]), o.stage(r, e[2]), e[3], e[4])
+                      for r, rank_evs in enumerate(events[-1]) for e in rank_evs)
+        meas = orders.Timeline(o, tuple(sorted(slots, key=lambda x: (x.rank, x.start))), max(x.end for x in slots))
+        peaks = [meas.peak_activations(r) for r in range(P)]
+        cb = [p["cbytes"] for p in per_rank]
+        res.update({"coconet_peak_microbatches": peaks,
+                    "coconet_peak_microbatches_simulated": [sim.peak_activations(r) for r in range(P)],
+                    "coconet_saved_bytes_per_microbatch": cb, "coconet_peak_microbatches_max": max(peaks),
+                    "coconet_peak_bytes": max(n * b for n, b in zip(peaks, cb))})
+        if tt:
+            tl, tb = [p["tlive"] for p in per_rank], [p["tbytes"] for p in per_rank]
+            res.update({"torch_peak_microbatches": tl, "torch_saved_bytes_per_microbatch": tb,
+                        "torch_peak_microbatches_max": max(tl), "torch_peak_bytes": max(n * b for n, b in zip(tl, tb))})
+        return res
+
+
+def init_gloo(comm: Any) -> Any:
+    """torch.distributed over gloo on the mpiexec job's ranks: MASTER_ADDR 127.0.0.1, a free
+    port of rank 0's broadcast over MPI."""
+    import torch.distributed as dist
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+    return dist
+
+
+def details(results: list[dict[str, Any]]) -> None:
+    """The losses' check, torch's notes, coconet's action times and the bubble's prediction error."""
+    print("\nfirst-step losses (coconet / torch, relative difference; tolerance 1e-4):")
+    for r in results:
+        if "loss_rel_diff" in r:
+            print(f"  P={r['P']} M={r['M']} {r['order']:11s} {r['loss_coconet']:.6f} / {r['loss_torch']:.6f}  "
+                  f"{r['loss_rel_diff']:.1e} {'ok' if r['loss_match'] else 'MISMATCH'}")
+    notes = {}
+    for r in results:
+        for key in ("torch_note", "torch_error"):
+            if r.get(key):
+                notes.setdefault(r[key], []).append(f"P={r['P']} M={r['M']} {r['order']}")
+    for text, where in notes.items():
+        print(f"note ({', '.join(where)}): {text}")
+    print("coconet's action times (median work, ms; receive waits taken out), the cost model's input:")
+    for r in results:
+        c = r["costs_s"]
+        print(f"  P={r['P']} M={r['M']} {r['order']:11s} F {c['F'] * 1e3:.2f}  B {c['B'] * 1e3:.2f}"
+              + (f"  W {c['W'] * 1e3:.2f}" if c["W"] else ""))
+    for key, what in (("bubble_predicted", "orders.simulate, one cost a kind"),
+                      ("bubble_predicted_per_stage", "each rank's own costs")):
+        gaps = [abs(r["bubble_measured"] - r[key]) / max(r[key], 1e-9) for r in results]
+        if gaps:
+            print(f"measured against predicted bubble ({what}): largest difference {max(gaps):.0%} of the "
+                  f"predicted; within 10% in {sum(g <= 0.1 for g in gaps)} of {len(gaps)} cases")
+
+
+def report(results: list[dict[str, Any]], a: argparse.Namespace, meta: dict[str, Any]) -> None:
+    print(f"\nnanoGPT pipeline step (forward + backward of the batch), f32, {a.layers} layers, H={a.hidden}, "
+          f"{a.heads} heads, T={a.seq}, B={a.batch}, vocabulary {a.vocab}; one rank a stage; median of {a.reps} "
+          "(slowest rank); bubble: idle fraction of coconet's ranks, measured / simulated with its own action "
+          "times; peak: the most micro-batches held by a rank x one micro-batch's saved bytes (max over ranks)")
+    head = (f"{'P':>2s} {'M':>2s} {'order':11s} {'coconet ms':>10s} {'torch ms':>9s} {'torch/cc':>8s} "
+            f"{'bubble':>7s} {'pred':>6s} {'pred/st':>7s} {'cc peak':>7s} {'cc MB':>7s} {'th peak':>7s} {'th MB':>7s}  torch schedule")
+    print(head)
+    for r in results:
+        tms = f"{r['torch_s'] * 1e3:9.1f}" if r.get("torch_s") else f"{'-':>9s}"
+        ratio = f"{r['ratio']:8.2f}" if r.get("ratio") else f"{'-':>8s}"
+        tpk = f"{r['torch_peak_microbatches_max']:7d}" if "torch_peak_microbatches_max" in r else f"{'-':>7s}"
+        tmb = f"{r['torch_peak_bytes'] / 2**20:7.2f}" if "torch_peak_bytes" in r else f"{'-':>7s}"
+        sched = r["torch_schedule"] or "-"
+        if r.get("torch_error") and not r.get("torch_s"):
+            sched += " (not run: see the notes)"
+        print(f"{r['P']:2d} {r['M']:2d} {r['order']:11s} {r['coconet_s'] * 1e3:10.1f} {tms} {ratio} "
+              f"{r['bubble_measured']:7.3f} {r['bubble_predicted']:6.3f} {r['bubble_predicted_per_stage']:7.3f} "
+              f"{r['coconet_peak_microbatches_max']:7d} "
+              f"{r['coconet_peak_bytes'] / 2**20:7.2f} {tpk} {tmb}  {sched}")
+    details(results)
+    if a.json:
+        out = Path(a.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**meta, "results": results}, indent=2))
+        print(f"\nwrote {out}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--stages", type=ints, default=[2, 4], help="pipeline sizes P (comma-separated; default 2,4)")
+    ap.add_argument("--microbatches", type=ints, default=[4, 8], help="micro-batch counts M (default 4,8)")
+    ap.add_argument("--orders", type=lambda t: t.split(","), default=list(ORDERS),
+                    help=f"comma-separated, of {', '.join(ORDERS)} (default all)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write every number here")
+    ap.add_argument("--no-torch", action="store_true", help="coconet's pipeline only")
+    a = ap.parse_args()
+    check_args(a)
+    ranks = max(a.stages)
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:  # build once, then the ranks
+        import coconetc
+        coconetc.load(GPT_BLOCK, log=lambda msg: None, grad=(f"{PROGRAM}:x",))
+        from coconetc.launch.mpiexec import run_python
+        return run_python(ranks, [str(Path(__file__).resolve()), *sys.argv[1:]])
+    os.environ.setdefault("COCONET_THREADS", "1")
+    import warnings
+
+    import torch
+    from mpi4py import MPI
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    if world.Get_size() < ranks:
+        raise SystemExit(f"--stages {max(a.stages)} needs {ranks} ranks, the job has {world.Get_size()}")
+    dist = init_gloo(world)
+    from coconetc.torch.pipeline import Block
+    block = Block(GPT_BLOCK, PROGRAM, comm=MPI.COMM_SELF)
+    model = base_model(a)
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(a.vocab, (a.batch, a.seq), generator=g)
+    tgt = torch.randint(a.vocab, (a.batch, a.seq), generator=g)
+    results = []
+    for P in a.stages:
+        sub = world.Split(0 if rank < P else MPI.UNDEFINED, rank)
+        group = dist.new_group(list(range(P)))
+        for M in a.microbatches:
+            for order in a.orders:
+                if order == "interleaved" and M % P:
+                    if rank == 0:
+                        print(f"P={P} M={M} interleaved: M not divisible by P (Megatron's requirement): not run")
+                    continue
+                case = Case(world, sub if rank < P else None, group if rank < P else None, P, M, order, a,
+                            model, block)
+                res = case.run(idx, tgt)
+                if rank == 0:
+                    print(f"P={P} M={M} {order}: coconet {res['coconet_s'] * 1e3:.1f} ms, torch "
+                          + (f"{res['torch_s'] * 1e3:.1f} ms" if res["torch_s"] else "-"), flush=True)
+                    results.append(res)
+    if rank == 0:
+        meta = {"machine": platform.node(), "processor": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(), "ranks": world.Get_size(), "threads_per_rank": 1,
+                "coconet_threads": os.environ.get("COCONET_THREADS"), "torch": torch.__version__, "dtype": "f32",
+                "sizes": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "seq": a.seq, "batch": a.batch,
+                          "vocab": a.vocab}, "reps": a.reps, "interleaved_chunks": V_INTERLEAVED}
+        report(results, a, meta)
+    bad = world.bcast([f"P={r['P']} M={r['M']} {r['order']}" for r in results if r.get("loss_match") is False]
+                      if rank == 0 else None, root=0)
+    world.Barrier()
+    dist.destroy_process_group()
+    if bad and rank == 0:
+        print(f"MISMATCH: coconet's and torch's first-step losses differ by more than 1e-4 relative in "
+              f"{', '.join(bad)}: not the same work", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
