@@ -20,8 +20,9 @@ import re
 from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Span
+from coconetc.ir.expr import refs
 from coconetc.ir.layers import layer_ranges
-from coconetc.ir.nodes import Program
+from coconetc.ir.nodes import Param, Program
 from coconetc.pipeline import orders
 
 _REPEAT = re.compile(r"(.+?)__l(\d+)__.+")
@@ -154,3 +155,34 @@ def timeline_text(p: Program, d: Pipeline, width: int = 100) -> str:
     t = orders.simulate(order, costs)
     lines += [f"# {ln}" for ln in orders.render(t, width).splitlines()]
     return "\n".join(lines)
+
+
+def stage_program(p: Program, c: Cut, stage: int) -> Program:
+    """Virtual stage STAGE of p cut by C, as a program of its own (`<p>_stage<k>`): the stages
+    of its layers (the first stage also those before the repeat, the last those after it); its
+    parameters, in p's order, p's parameters it reads, then the values of earlier stages it reads
+    (the activation it receives, typed as p types it); it returns what later stages read (the
+    activation it sends on), or p's outputs (the last stage)."""
+    if p.updates:
+        raise CompileError.at(p.span, f"pipeline(): {p.name} updates its parameters; a pipeline cuts a "
+                              "program without update (the optimizer steps after the backward)")
+    ranges = layer_ranges(p, c.repeat)
+    a, b = c.layers[stage]
+    last = stage == len(c.layers) - 1
+    lo = 0 if stage == 0 else ranges[a][0]
+    hi = len(p.stages) if last else ranges[b - 1][1]
+    inside = p.stages[lo:hi]
+    defined = {s.name for s in inside}
+    read: dict[str, None] = {}
+    for s in inside:
+        for r in refs(s.expr):
+            if r not in defined:
+                read.setdefault(r)
+    params = [q for q in p.params if q.name in read]
+    params += [Param(n, p.stage_named(n).type) for n in read if p.param(n) is None]
+    if last:
+        outputs = tuple(o for o in p.outputs if o[1] in defined)
+    else:
+        later = {r for s in p.stages[hi:] for r in refs(s.expr)} | {s for _, s in p.outputs}
+        outputs = tuple((n, n) for n in defined if n in later)
+    return Program(f"{p.name}_stage{stage}", tuple(params), tuple(inside), outputs, span=p.span)
