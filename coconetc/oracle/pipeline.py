@@ -19,14 +19,15 @@ from coconetc.interp.interpreter import run
 from coconetc.ir.dtypes import FLOATS
 from coconetc.ir.nodes import Program
 from coconetc.pipeline import orders
-from coconetc.schedule.pipeline import Pipeline, cut, stage_program
+from coconetc.schedule.pipeline import Pipeline, cut, stage_program, stage_rows
 
 
 class _Stage:
     """One virtual stage's programs: forward (saving), backward, and its B/W cut."""
 
-    def __init__(self, p: Program, carry: str | None, batch: Sequence[str]):
+    def __init__(self, p: Program, carry: str | None, batch: Sequence[str], rows: dict[str, tuple[int, int]]):
         self.p = p
+        self.rows = rows  # the stacked parameters' rows it takes (its layers')
         self.wrt = [q.name for q in p.params if not q.scalar and q.type.dtype in FLOATS]
         cutp = split(p, vjp(p, self.wrt))
         self.fwd, self.bwd, self.saved = cutp.forward, cutp.backward, cutp.saved
@@ -55,9 +56,10 @@ class _Run:
         prev: str | None = None
         for s in range(self.order.stages):
             sp = stage_program(p, c, s)
-            self.stages.append(_Stage(sp, prev, batch))
+            self.stages.append(_Stage(sp, prev, batch, stage_rows(p, c, s)))
             prev = sp.outputs[0][1] if s < self.order.stages - 1 else None
         self.ranks = len(inputs)
+        self.shapes = [{k: np.shape(v) for k, v in inputs[r].items()} for r in range(self.ranks)]
         self.args = [[{k: self._rows(v, m) if k in self.batch else v for k, v in inputs[r].items()}
                       for r in range(self.ranks)] for m in range(self.M)]
         self.cot = [[{k: self._rows(v, m) for k, v in cotangents[r].items()} for r in range(self.ranks)]
@@ -84,22 +86,36 @@ class _Run:
                 self.grads[r][k] = np.concatenate([self.cut_grads[(k, m)][r] for m in range(self.M)])
         return self.grads
 
-    def _add(self, r: int, k: str, v: np.ndarray, m: int) -> None:
-        if k[len("d_"):] in self.batch:
+    def _add(self, r: int, k: str, v: np.ndarray, m: int, st: _Stage) -> None:
+        x = k[len("d_"):]
+        if x in self.batch:
             self.cut_grads.setdefault((k, m), [None] * self.ranks)[r] = v
+            return
+        g = self.grads[r]
+        if k not in g:
+            g[k] = np.zeros(self.shapes[r][x], dtype=np.asarray(v).dtype)
+        if x in st.rows:  # a stacked parameter's gradient: the rows of this stage's layers
+            a, b = st.rows[x]
+            g[k][a:b] += v
         else:
-            g = self.grads[r]
-            g[k] = g[k] + v if k in g else np.array(v, copy=True)
+            g[k] += v
 
     def _forward(self, s: int, m: int) -> None:
         st = self.stages[s]
-        call = [{q.name: (self.acts[(s - 1, m)][r] if q.name == st.carry else self.args[m][r][q.name])
+        call = [{q.name: (self.acts[(s - 1, m)][r] if q.name == st.carry else self._arg(st, m, r, q.name))
                  for q in st.fwd.params} for r in range(self.ranks)]
         res = run(st.fwd, call, self.groups)
         if s < self.order.stages - 1:
             self.acts[(s, m)] = [x.outputs[st.p.outputs[0][0]] for x in res]
         self.held[(s, m)] = [{**call[r], **{v: res[r].outputs[f"saved_{v}"] for v in st.saved}}
                              for r in range(self.ranks)]
+
+    def _arg(self, st: _Stage, m: int, r: int, name: str) -> Any:
+        v = self.args[m][r][name]
+        if name in st.rows:
+            a, b = st.rows[name]
+            return np.ascontiguousarray(v[a:b])
+        return v
 
     def _backward(self, s: int, m: int) -> None:
         st, last = self.stages[s], s == self.order.stages - 1
@@ -116,7 +132,7 @@ class _Run:
                 if st.carry is not None and k == f"d_{st.carry}":
                     self.back.setdefault((s, m), [None] * self.ranks)[r] = v
                 elif not k.startswith("kept_"):
-                    self._add(r, k, v, m)
+                    self._add(r, k, v, m, st)
         if split_here:
             self.held[(s, m)] = ins
             self.kept[(s, m)] = [{k[len("kept_"):]: v for k, v in x.outputs.items() if k.startswith("kept_")}
@@ -129,4 +145,4 @@ class _Run:
                   self.groups)
         for r in range(self.ranks):
             for k, v in res[r].outputs.items():
-                self._add(r, k, v, m)
+                self._add(r, k, v, m, st)

@@ -17,10 +17,10 @@ keeps to the limit) and the plan shows its timeline."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coconetc.errors import CompileError, Span
-from coconetc.ir.expr import refs
+from coconetc.ir.expr import Expr, Op, Ref, refs, walk
 from coconetc.ir.layers import layer_ranges
 from coconetc.ir.nodes import Param, Program
 from coconetc.pipeline import orders
@@ -157,32 +157,73 @@ def timeline_text(p: Program, d: Pipeline, width: int = 100) -> str:
     return "\n".join(lines)
 
 
+def stage_rows(p: Program, c: Cut, stage: int) -> dict[str, tuple[int, int]]:
+    """The rows [first, stop) of each stacked parameter (`w: f32[L, ...]`, read only as layers
+    `index(w, l)`) that virtual stage STAGE reads: its program takes that part of the parameter
+    (stage_program), and its gradient is that part of the whole one."""
+    lo, hi = _bounds(p, c, stage)
+    used: dict[str, list[int]] = {}
+    other: set[str] = set()
+    for st in p.stages[lo:hi]:
+        for e in walk(st.expr):
+            if isinstance(e, Op):
+                for i, a in enumerate(e.args):
+                    if isinstance(a, Ref) and p.param(a.name) is not None:
+                        if e.op == "index" and i == 0:
+                            used.setdefault(a.name, []).append(int(e.attr("i")))
+                        else:
+                            other.add(a.name)
+    return {n: (min(ks), max(ks) + 1) for n, ks in used.items() if n not in other}
+
+
+def _bounds(p: Program, c: Cut, stage: int) -> tuple[int, int]:
+    """Virtual stage STAGE's stages of p as [lo, hi) indices: its layers' (the first stage also
+    those before the repeat, the last those after it)."""
+    ranges = layer_ranges(p, c.repeat)
+    a, b = c.layers[stage]
+    lo = 0 if stage == 0 else ranges[a][0]
+    hi = len(p.stages) if stage == len(c.layers) - 1 else ranges[b - 1][1]
+    return lo, hi
+
+
 def stage_program(p: Program, c: Cut, stage: int) -> Program:
     """Virtual stage STAGE of p cut by C, as a program of its own (`<p>_stage<k>`): the stages
     of its layers (the first stage also those before the repeat, the last those after it); its
-    parameters, in p's order, p's parameters it reads, then the values of earlier stages it reads
-    (the activation it receives, typed as p types it); it returns what later stages read (the
-    activation it sends on), or p's outputs (the last stage)."""
+    parameters, in p's order, p's parameters it reads (a stacked one: only the rows of its layers,
+    stage_rows), then the values of earlier stages it reads (the activation it receives, typed
+    as p types it); it returns what later stages read (the activation it sends on), or p's
+    outputs (the last stage)."""
     if p.updates:
         raise CompileError.at(p.span, f"pipeline(): {p.name} updates its parameters; a pipeline cuts a "
                               "program without update (the optimizer steps after the backward)")
-    ranges = layer_ranges(p, c.repeat)
-    a, b = c.layers[stage]
-    last = stage == len(c.layers) - 1
-    lo = 0 if stage == 0 else ranges[a][0]
-    hi = len(p.stages) if last else ranges[b - 1][1]
-    inside = p.stages[lo:hi]
+    lo, hi = _bounds(p, c, stage)
+    rows = stage_rows(p, c, stage)
+    types = {n: replace(p.type_of(n), shape=(b - a, *p.type_of(n).shape[1:])) for n, (a, b) in rows.items()}
+
+    def rebased(e: Expr) -> Expr:
+        if isinstance(e, Ref) and e.name in types:
+            return replace(e, type=types[e.name])
+        if isinstance(e, Op):
+            args = tuple(rebased(x) for x in e.args)
+            attrs = e.attrs
+            if e.op == "index" and isinstance(e.args[0], Ref) and e.args[0].name in rows:
+                first = rows[e.args[0].name][0]
+                attrs = tuple((k, v - first if k == "i" else v) for k, v in e.attrs)
+            return replace(e, args=args, attrs=attrs)
+        return e
+
+    inside = tuple(replace(st, expr=rebased(st.expr)) for st in p.stages[lo:hi])
     defined = {s.name for s in inside}
     read: dict[str, None] = {}
     for s in inside:
         for r in refs(s.expr):
             if r not in defined:
                 read.setdefault(r)
-    params = [q for q in p.params if q.name in read]
+    params = [replace(q, type=types[q.name]) if q.name in types else q for q in p.params if q.name in read]
     params += [Param(n, p.stage_named(n).type) for n in read if p.param(n) is None]
-    if last:
+    if stage == len(c.layers) - 1:
         outputs = tuple(o for o in p.outputs if o[1] in defined)
     else:
         later = {r for s in p.stages[hi:] for r in refs(s.expr)} | {s for _, s in p.outputs}
         outputs = tuple((n, n) for n in defined if n in later)
-    return Program(f"{p.name}_stage{stage}", tuple(params), tuple(inside), outputs, span=p.span)
+    return Program(f"{p.name}_stage{stage}", tuple(params), inside, outputs, span=p.span)
