@@ -157,10 +157,17 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     each with the schedules of p (of grad(p)) that apply to it unchanged. An entry
     `p:x1,x2` also cuts `<p>_bwd` at the gradients of p's parameters x1, x2 (the inputs a
     pipeline stage sends gradients back for): `<p>_bwd_input` and `<p>_bwd_weight`
-    (autodiff/saved.py, split_input_weight), with grad(p)'s schedules that apply."""
+    (autodiff/saved.py, split_input_weight), with grad(p)'s schedules that apply. An entry
+    `p@s:x` adds the virtual stages of schedule s's pipeline directive as programs
+    (`<p>_<s>_stage<k>`: schedule/pipeline.py, stage_program), each derived and cut at the
+    activation it receives (x, p's parameter, on stage 0)."""
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))
     for entry in programs:
+        if "@" in entry:
+            entry = ",".join(_pipeline_stages(new, entry))
+            new = with_grads(new, entry.split(","))
+            continue
         p, _, inputs = entry.partition(":")
         mod.program(p)  # a KeyError naming the file's programs
         grad = _derive(new, p)
@@ -171,6 +178,29 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
             for ir in (cut.input_grad, cut.weight_grad):
                 _add_derived(new, ir, p, grad)
     return new
+
+
+def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
+    """`p@s:x`: add the stage programs of schedule s's pipeline directive to MOD; their
+    with_grads entries (each cut at the activation it receives)."""
+    from coconetc.schedule.pipeline import Pipeline, cut, stage_input, stage_name, stage_program
+    target, _, first = entry.partition(":")
+    program, _, schedule = target.partition("@")
+    p = mod.program(program)
+    found = [d for d in mod.schedule(program, schedule).directives if isinstance(d, Pipeline)]
+    if not found:
+        raise CompileError.at(p.span, f"schedule {schedule} of {program} has no pipeline(...) directive")
+    c = cut(p, found[0])
+    entries = []
+    for k in range(c.order.stages):
+        sp = stage_program(p, c, k, stage_name(program, schedule, k))
+        if sp.name not in mod.programs:
+            mod.plans[(sp.name, DEFAULT)] = plan_program(sp)
+            mod.programs[sp.name] = sp
+            mod.schedules[sp.name] = {}
+            mod.derived[sp.name] = program
+        entries.append(f"{sp.name}:{stage_input(p, sp, k, first or 'x')}")
+    return entries
 
 
 def _split(mod: SourceFile, program: str, grad: str) -> None:

@@ -3,7 +3,10 @@ fails mid-step, on 2 ranks (one layer of examples/gpt_block.ccn a stage).
 
     refusals  each bad input raises on every rank, before any message between the stages, and
               the pipeline still runs a good step after them: prints `CASE ok: MESSAGE` a case
-    dies      rank 1's loss raises in the middle of a step (rank 0 waits for its gradient)"""
+    dies      rank 1's loss raises in the middle of a step (rank 0 waits for its gradient)
+    schedule  tests/programs/pipeline_model.ccn's pipeline schedule through from_schedule: each
+              stage's gradients against the interpreter's of the whole batch (prints
+              `stage S: largest difference E`)"""
 
 from __future__ import annotations
 
@@ -33,10 +36,38 @@ def mse(y, t):
     return ((y - t) ** 2).mean()
 
 
+def scheduled(comm) -> None:
+    import numpy as np
+
+    from coconetc.autodiff.vjp import vjp
+    from coconetc.interp.interpreter import run
+    from coconetc.sourcefile import load_file
+    from coconetc.torch.pipeline import from_schedule
+    model = Path(__file__).with_name("programs") / "pipeline_model.ccn"
+    rng = np.random.default_rng(0)
+    B, H, F = 8, 4, 6
+    whole = {"w1": rng.standard_normal((4, H, F)) * 0.5, "w2": rng.standard_normal((4, F, H)) * 0.5,
+             "g": 1 + 0.1 * rng.standard_normal((4, H))}
+    x, cot = rng.standard_normal((B, H)), rng.standard_normal((B, H))
+    pipe = from_schedule(model, "model", "zb", weights={k: torch.from_numpy(v) for k, v in whole.items()},
+                         comm=comm, loss_fn=lambda y, c: (y * c).sum())
+    pipe.step(torch.from_numpy(x), torch.from_numpy(cot))
+    p = load_file(model).program("model")
+    want = run(vjp(p), [{**whole, "x": x, "d_y": cot}])[0].outputs
+    rows = {0: (0, 3), 1: (3, 4)}
+    for (s, n), t in pipe.parameters.items():
+        a, b = rows[s]
+        err = float(np.abs(t.grad.numpy() * 4 - want[f"d_{n}"][a:b]).max())  # the loss of each micro-batch / M
+        print(f"stage {s}: {n} largest difference {err:.1e}", flush=True)
+
+
 def main() -> None:
     mode = sys.argv[1]
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    if mode == "schedule":
+        scheduled(comm)
+        return
     block = Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF)
     chunk = Chunk([layer(block, rank)])
     x, t = torch.randn(B, S, H), torch.randn(B, S, H)

@@ -153,3 +153,16 @@ def test_every_pipeline_order_computes_the_programs_gradients(order: str, stages
         assert sorted(got[r]) == sorted(want[r].outputs)
         for k, v in want[r].outputs.items():
             np.testing.assert_allclose(got[r][k], v, rtol=1e-12, atol=1e-12, err_msg=f"{k} on rank {r}")
+
+
+def test_a_pipeline_schedule_runs_compiled(capfd) -> None:
+    """coconetc.torch.pipeline.from_schedule: tests/programs/pipeline_model.ccn's zero-bubble
+    schedule, its stage programs compiled (each its layers' rows of the stacked weights, its
+    backward cut into B and W), on 2 ranks: every stage's weight gradients equal the
+    interpreter's derived program's for the whole batch (the rows of that stage's layers)."""
+    rc, lines, log = rank_checks.launch(capfd, WORKER, 2, "schedule", timeout=600)
+    assert rc == 0, log
+    got = [ln.split() for ln in lines if ln.startswith("stage ")]
+    assert sorted((ln[1], ln[2]) for ln in got) == [("0:", "g"), ("0:", "w1"), ("0:", "w2"),
+                                                      ("1:", "g"), ("1:", "w1"), ("1:", "w2")], log
+    assert all(float(ln[-1]) < 1e-10 for ln in got), log

@@ -186,7 +186,7 @@ def _bounds(p: Program, c: Cut, stage: int) -> tuple[int, int]:
     return lo, hi
 
 
-def stage_program(p: Program, c: Cut, stage: int) -> Program:
+def stage_program(p: Program, c: Cut, stage: int, name: str | None = None) -> Program:
     """Virtual stage STAGE of p cut by C, as a program of its own (`<p>_stage<k>`): the stages
     of its layers (the first stage also those before the repeat, the last those after it); its
     parameters, in p's order, p's parameters it reads (a stacked one: only the rows of its layers,
@@ -226,4 +226,25 @@ def stage_program(p: Program, c: Cut, stage: int) -> Program:
     else:
         later = {r for s in p.stages[hi:] for r in refs(s.expr)} | {s for _, s in p.outputs}
         outputs = tuple((n, n) for n in defined if n in later)
-    return Program(f"{p.name}_stage{stage}", tuple(params), inside, outputs, span=p.span)
+    return Program(name or f"{p.name}_stage{stage}", tuple(params), inside, outputs, span=p.span)
+
+
+def stage_name(program: str, schedule: str, stage: int) -> str:
+    """The name of a pipeline schedule's virtual stage program in a file (sourcefile.with_grads)."""
+    return f"{program}_{schedule}_stage{stage}"
+
+
+def stage_input(p: Program, sp: Program, stage: int, first: str) -> str:
+    """The parameter of SP (virtual stage STAGE of p) that receives the activation: FIRST (p's
+    parameter the layers start from, named by the caller) on stage 0, else the one value an
+    earlier stage sends."""
+    if stage == 0:
+        if sp.param(first) is None:
+            raise CompileError.at(p.span, f"pipeline: {p.name}'s first stage reads no parameter '{first}' "
+                                  f"(its parameters: {', '.join(q.name for q in sp.params)})")
+        return first
+    received = [q.name for q in sp.params if p.param(q.name) is None]
+    if len(received) != 1:
+        raise CompileError.at(p.span, f"pipeline: stage {stage} of {p.name} receives {len(received)} values "
+                              f"({', '.join(received)}); a stage receives one (the repeat's carried value)")
+    return received[0]

@@ -55,11 +55,13 @@ class Block:
     comm: the stage's tensor-parallel group (every rank of it calls the block together)."""
 
     def __init__(self, source: str | Path, program: str, *, comm: Any, input: str = "x",
-                 schedule: str = "default", grad_schedule: str = "default"):
+                 schedule: str = "default", grad_schedule: str = "default", derive: str | None = None):
         from coconetc.autodiff.saved import bwd_name, fwd_name, input_name, weight_name
         self.source, self.program, self.input, self.comm = source, program, input, comm
         self.schedule, self.grad_schedule = schedule, grad_schedule
-        mod = load(source, (f"{program}:{input}",), "coconetc.torch.pipeline.Block")
+        # the module's derived programs (coconetc.load's grad=): the block's, cut at its input;
+        # a pipeline schedule's stages are derived from their model program (from_schedule)
+        mod = load(source, (derive or f"{program}:{input}",), "coconetc.torch.pipeline.Block")
         self.fwd = mod.programs[fwd_name(program)]
         self.bwd = mod.programs[bwd_name(program)]
         self.bwd_input = mod.programs[input_name(program)]
@@ -198,6 +200,7 @@ class Pipeline:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.events: list[Event] = []
+        self.parameters: dict[tuple[int, str], torch.Tensor] = {}  # from_schedule's leaves
         tp = 1 if tp_comm is None else tp_comm.Get_size()
         self._tp_sizes = comm.allgather(tp)
         self.order = self._agree(lambda: self._checked(order))
@@ -374,3 +377,57 @@ class Pipeline:
             raise ValueError(f"Pipeline.step: {what}'s batch of {n} rows does not divide into "
                              f"microbatches={M} equal micro-batches (use a batch that is a multiple of {M})")
         return list(torch.split(v, n // M)) if isinstance(v, torch.Tensor) else np.split(v, M)
+
+
+def from_schedule(source: str | Path, program: str, schedule: str, *, weights: dict[str, torch.Tensor],
+                  comm: Any, tp_comm: Any = None, input: str = "x", scalars: dict[str, Any] | None = None,
+                  pre: Callable[[Any], torch.Tensor] | None = None, post: Callable[[torch.Tensor], Any] | None = None,
+                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Pipeline:
+    """The Pipeline of PROGRAM's schedule SCHEDULE (a `pipeline(...)` directive, docs/pipeline.md):
+    this rank's virtual stages, each the compiled program of its layers (the stage programs
+    and their derived programs built into the file's module), with the directive's order and
+    micro-batches. weights: PROGRAM's tensor parameters other than INPUT (the batch the first
+    stage reads), this rank's part in each one's layout; a stacked parameter `[L, ...]` whole
+    along its layer dim (each stage takes, as a leaf of its own, the rows of its layers).
+    scalars: the program's scalars. comm: one rank of each stage (pipeline rank = stage);
+    tp_comm: the stage's tensor-parallel group (None: one rank a stage). `pipe.parameters`:
+    (virtual stage, name) -> the leaf tensor whose `.grad` a step fills (give them to the
+    optimizer); a parameter that several stages read (not stacked) is a leaf on each, and
+    their gradients add up to its gradient."""
+    from mpi4py import MPI
+
+    from coconetc.schedule.pipeline import Pipeline as Directive
+    from coconetc.schedule.pipeline import cut, stage_input, stage_name, stage_program, stage_rows
+    from coconetc.sourcefile import load_file
+    from coconetc.paths import source_path
+    source = source_path(source)
+    sf = load_file(source)
+    p = sf.program(program)
+    found = [d for d in sf.schedule(program, schedule).directives if isinstance(d, Directive)]
+    if not found:
+        raise ValueError(f"from_schedule: schedule {schedule} of {program} has no pipeline(...) directive")
+    c = cut(p, found[0])
+    if comm.Get_size() != c.order.ranks:
+        raise ValueError(f"from_schedule: schedule {schedule} has stages={c.order.ranks}; comm has "
+                         f"{comm.Get_size()} ranks (one rank of each stage)")
+    scalars = dict(scalars or {})
+    rank, last = comm.Get_rank(), c.order.stages - 1
+    chunks = []
+    params: dict[tuple[int, str], torch.Tensor] = {}
+    for k in range(c.order.chunks):
+        s = c.order.stage(rank, k)
+        sp = stage_program(p, c, s, stage_name(program, schedule, s))
+        block = Block(source, sp.name, comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
+                      input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}")
+        rows = stage_rows(p, c, s)
+        mine = {}
+        for n in block.weights:
+            if n not in weights:
+                raise TypeError(f"from_schedule: weights has no {n!r} (stage {s} reads it)")
+            w = weights[n][rows[n][0]:rows[n][1]] if n in rows else weights[n]
+            mine[n] = params[(s, n)] = w.detach().clone().requires_grad_(True)
+        layer = block.layer(mine, **{n: scalars[n] for n in block.scalars if n in scalars})
+        chunks.append(Chunk([layer], pre=pre if s == 0 else None, post=post if s == last else None))
+    pipe = Pipeline(chunks, c.order, microbatches=c.order.microbatches, comm=comm, loss_fn=loss_fn, tp_comm=tp_comm)
+    pipe.parameters = params
+    return pipe
