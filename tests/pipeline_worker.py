@@ -4,7 +4,8 @@ fails mid-step, on 2 ranks (one layer of examples/gpt_block.ccn a stage).
     refusals  each bad input raises on every rank, before any message between the stages, and
               the pipeline still runs a good step after them: prints `CASE ok: MESSAGE` a case
     dies      rank 1's loss raises in the middle of a step (rank 0 waits for its gradient)
-    schedule  tests/programs/pipeline_model.ccn's pipeline schedule through from_schedule: each
+    schedule [BACKEND]  tests/programs/pipeline_model.ccn's pipeline schedule through from_schedule
+              (on the CPU backend, or "cuda": run under COCONET_CUDA_EMULATE=1, the emulation): each
               stage's gradients against the interpreter's of the whole batch (prints
               `stage S: largest difference E`)"""
 
@@ -36,7 +37,7 @@ def mse(y, t):
     return ((y - t) ** 2).mean()
 
 
-def scheduled(comm) -> None:
+def scheduled(comm, backend: str) -> None:
     import numpy as np
 
     from coconetc.autodiff.vjp import vjp
@@ -50,7 +51,7 @@ def scheduled(comm) -> None:
              "g": 1 + 0.1 * rng.standard_normal((4, H))}
     x, cot = rng.standard_normal((B, H)), rng.standard_normal((B, H))
     pipe = from_schedule(model, "model", "zb", weights={k: torch.from_numpy(v) for k, v in whole.items()},
-                         comm=comm, loss_fn=lambda y, c: (y * c).sum())
+                         comm=comm, loss_fn=lambda y, c: (y * c).sum(), backend=backend)
     pipe.step(torch.from_numpy(x), torch.from_numpy(cot))
     p = load_file(model).program("model")
     want = run(vjp(p), [{**whole, "x": x, "d_y": cot}])[0].outputs
@@ -66,7 +67,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     if mode == "schedule":
-        scheduled(comm)
+        scheduled(comm, sys.argv[2] if len(sys.argv) > 2 else "cpu")
         return
     block = Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF)
     chunk = Chunk([layer(block, rank)])

@@ -155,12 +155,15 @@ def test_every_pipeline_order_computes_the_programs_gradients(order: str, stages
             np.testing.assert_allclose(got[r][k], v, rtol=1e-12, atol=1e-12, err_msg=f"{k} on rank {r}")
 
 
-def test_a_pipeline_schedule_runs_compiled(capfd) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_a_pipeline_schedule_runs_compiled(capfd, backend: str) -> None:
     """coconetc.torch.pipeline.from_schedule: tests/programs/pipeline_model.ccn's zero-bubble
     schedule, its stage programs compiled (each its layers' rows of the stacked weights, its
-    backward cut into B and W), on 2 ranks: every stage's weight gradients equal the
-    interpreter's derived program's for the whole batch (the rows of that stage's layers)."""
-    rc, lines, log = rank_checks.launch(capfd, WORKER, 2, "schedule", timeout=600)
+    backward cut into B and W), on 2 ranks, on the CPU backend and under the CUDA emulation:
+    every stage's weight gradients equal the interpreter's derived program's for the whole
+    batch (the rows of that stage's layers)."""
+    env = {"COCONET_CUDA_EMULATE": "1"} if backend == "cuda" else None
+    rc, lines, log = rank_checks.launch(capfd, WORKER, 2, "schedule", backend, timeout=600, env=env)
     assert rc == 0, log
     got = [ln.split() for ln in lines if ln.startswith("stage ")]
     assert sorted((ln[1], ln[2]) for ln in got) == [("0:", "g"), ("0:", "w1"), ("0:", "w2"),

@@ -52,16 +52,24 @@ class Block:
     """The compiled programs of one `.ccn` block (PROGRAM of SOURCE) that a pipeline's layers
     run: `<p>_fwd`, `<p>_bwd`, and its split at INPUT `<p>_bwd_input` / `<p>_bwd_weight`.
     INPUT: the block's carried parameter (its activation in, of the output's shape and layout).
-    comm: the stage's tensor-parallel group (every rank of it calls the block together)."""
+    comm: the stage's tensor-parallel group (every rank of it calls the block together).
+    backend: "cpu", or "cuda" (CUDA tensors; with COCONET_CUDA_EMULATE=1 the host emulation,
+    on CPU tensors). Messages between stages go through MPI from host memory either way."""
 
     def __init__(self, source: str | Path, program: str, *, comm: Any, input: str = "x",
-                 schedule: str = "default", grad_schedule: str = "default", derive: str | None = None):
+                 schedule: str = "default", grad_schedule: str = "default", derive: str | None = None,
+                 backend: str = "cpu"):
         from coconetc.autodiff.saved import bwd_name, fwd_name, input_name, weight_name
         self.source, self.program, self.input, self.comm = source, program, input, comm
         self.schedule, self.grad_schedule = schedule, grad_schedule
         # the module's derived programs (coconetc.load's grad=): the block's, cut at its input;
         # a pipeline schedule's stages are derived from their model program (from_schedule)
-        mod = load(source, (derive or f"{program}:{input}",), "coconetc.torch.pipeline.Block")
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"Block: backend must be 'cpu' or 'cuda', got {backend!r}")
+        mod = load(source, (derive or f"{program}:{input}",), "coconetc.torch.pipeline.Block", backend=backend)
+        # what the module's calls communicate on (NCCL from COMM for the CUDA backend; under
+        # COCONET_CUDA_EMULATE=1 the emulation, on CPU tensors)
+        self.call_comm = mod.backend.communicator(mod, comm)
         self.fwd = mod.programs[fwd_name(program)]
         self.bwd = mod.programs[bwd_name(program)]
         self.bwd_input = mod.programs[input_name(program)]
@@ -114,7 +122,7 @@ class Layer:
 
     def _call(self, fn: Any, schedule: str, **kw: Any) -> dict[str, torch.Tensor]:
         b = self.block
-        out = fn(schedule=b._sched(fn, schedule), comm=b.comm, **kw)
+        out = fn(schedule=b._sched(fn, schedule), comm=b.call_comm, **kw)
         outs = out if isinstance(out, tuple) else (out,)
         return dict(zip([pub for pub, _ in fn.program_of(parse(b._sched(fn, schedule))).outputs], outs))
 
@@ -200,6 +208,9 @@ class Pipeline:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.events: list[Event] = []
+        # where received activations go: the device of the layers' weights
+        self._device = next((t.device for c in self.chunks for ly in c.layers for t in ly.params.values()),
+                            torch.device("cpu"))
         self.parameters: dict[tuple[int, str], torch.Tensor] = {}  # from_schedule's leaves
         tp = 1 if tp_comm is None else tp_comm.Get_size()
         self._tp_sizes = comm.allgather(tp)
@@ -283,7 +294,7 @@ class Pipeline:
         if sliced:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
-        return torch.from_numpy(a)
+        return torch.from_numpy(a).to(self._device)
 
     # --- the step -------------------------------------------------------------------------------
     def step(self, x: Any = None, target: Any = None) -> float | None:
@@ -382,7 +393,7 @@ class Pipeline:
 def from_schedule(source: str | Path, program: str, schedule: str, *, weights: dict[str, torch.Tensor],
                   comm: Any, tp_comm: Any = None, input: str = "x", scalars: dict[str, Any] | None = None,
                   pre: Callable[[Any], torch.Tensor] | None = None, post: Callable[[torch.Tensor], Any] | None = None,
-                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Pipeline:
+                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: str = "cpu") -> Pipeline:
     """The Pipeline of PROGRAM's schedule SCHEDULE (a `pipeline(...)` directive, docs/pipeline.md):
     this rank's virtual stages, each the compiled program of its layers (the stage programs
     and their derived programs built into the file's module), with the directive's order and
@@ -393,7 +404,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     tp_comm: the stage's tensor-parallel group (None: one rank a stage). `pipe.parameters`:
     (virtual stage, name) -> the leaf tensor whose `.grad` a step fills (give them to the
     optimizer); a parameter that several stages read (not stacked) is a leaf on each, and
-    their gradients add up to its gradient."""
+    their gradients add up to its gradient. backend: as Block's."""
     from mpi4py import MPI
 
     from coconetc.schedule.pipeline import Pipeline as Directive
@@ -418,7 +429,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
         s = c.order.stage(rank, k)
         sp = stage_program(p, c, s, stage_name(program, schedule, s))
         block = Block(source, sp.name, comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
-                      input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}")
+                      input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}", backend=backend)
         rows = stage_rows(p, c, s)
         mine = {}
         for n in block.weights:
