@@ -352,39 +352,6 @@ def bubble_of(events: list[list[tuple]]) -> float:
     return 1 - sum(e[5] for e in allev) / (len(events) * span) if span > 0 else 0.0
 
 
-def simulate_per_stage(o: Any, cost: dict[tuple[int, int, str], float]) -> float:
-    """The bubble of order O when each (rank, chunk, kind) action takes COST's time (its median
-    on that rank; orders.simulate's rules: each rank runs its list in order, an action starts
-    when its rank is free and what it needs has ended; transfers free)."""
-    P = o.ranks
-    ends: dict[tuple[int, int, str], float] = {}
-    nxt, free, busy = [0] * P, [0.0] * P, [0.0] * P
-
-    def needs(stage: int, m: int, kind: str) -> list[tuple[int, int, str]]:
-        if kind == "F":
-            return [(stage - 1, m, "F")] if stage > 0 else []
-        if kind == "B":
-            return [(stage, m, "F")] + ([(stage + 1, m, "B")] if stage < o.stages - 1 else [])
-        return [(stage, m, "B")]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            while nxt[r] < len(o.actions[r]):
-                act = o.actions[r][nxt[r]]
-                key = (o.stage(r, act.chunk), act.microbatch, act.kind)
-                if any(n not in ends for n in needs(*key)):
-                    break
-                t = cost[r, act.chunk, act.kind]
-                start = max([free[r]] + [ends[n] for n in needs(*key)])
-                ends[key] = free[r] = start + t
-                busy[r] += t
-                nxt[r] += 1
-                progress = True
-    span = max(free)
-    return 1 - sum(busy) / (P * span) if span > 0 else 0.0
-
-
 class Case:
     """One (P, M, order) on every rank of WORLD; SUB and GROUP: the pipeline's P ranks' MPI
     communicator and torch process group (None on the other ranks)."""
@@ -507,7 +474,12 @@ class Case:
                     per.setdefault((r, e[2], e[0]), []).append(e[5])
         per_med = {k: statistics.median(v) for k, v in per.items()}
         res["costs_per_rank_s"] = [[r, c, k, t] for (r, c, k), t in sorted(per_med.items())]  # rank, chunk, kind
-        res["bubble_predicted_per_stage"] = simulate_per_stage(o, per_med)
+        stage_costs = []  # each virtual stage's median F, B, W on its rank
+        for st in range(o.stages):
+            r, c = o.place(st)
+            t = {k: per_med.get((r, c, k), 0.0) for k in "FBW"}
+            stage_costs.append(orders.Costs(forward=t["F"], backward=t["B"], input_grad=t["B"], weight_grad=t["W"]))
+        res["bubble_predicted_per_stage"] = orders.simulate(o, stage_costs).bubble()
         res["bubble_textbook"] = orders.predicted_bubble(order, P, M, o.chunks,
                                                          orders.Costs(med["F"], med["B"], med["B"], med["W"]))
         # peak activations on the measured timeline of the last step

@@ -252,3 +252,16 @@ def test_chart_writes_a_png(tmp_path) -> None:
     path = tmp_path / "zb.png"
     chart(simulate(make("zero_bubble", 4, 8)), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_takes_each_stages_costs() -> None:
+    """One Costs a virtual stage: the same for every stage is the single Costs' timeline. With
+    the last stage twice as slow (the head and the loss: F 2, B 4), 1F1B on 2 ranks and 4
+    micro-batches, worked by hand: rank 1 runs F0 at 1-3, then B0 F1 B1 F2 B2 F3 B3 back to back
+    (each waiting for nothing of rank 0's) to 25, and rank 0's B3 runs at 25-27."""
+    o = make("1f1b", 2, 4)
+    c = Costs(1, 2, 1, 1, 0)
+    assert simulate(o, [c, c]) == simulate(o, c)
+    assert simulate(o, [c, Costs(2, 4, 2, 2, 0)]).makespan == 27
+    with pytest.raises(ValueError, match="3 stages' costs for an order of 2 virtual stages"):
+        simulate(o, [c, c, c])

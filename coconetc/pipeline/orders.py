@@ -26,6 +26,7 @@ The orders (P ranks, M micro-batches, V model chunks per rank):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -297,15 +298,19 @@ class Timeline:
         return peak
 
 
-def simulate(order: Order, costs: Costs = Costs()) -> Timeline:
-    """The timeline of a checked order under `costs` (ValueError as `check` for a bad one)."""
+def simulate(order: Order, costs: Costs | Sequence[Costs] = Costs()) -> Timeline:
+    """The timeline of a checked order under `costs`: one Costs for every stage, or one per
+    virtual stage (stage order; a stage with more layers, or the embeddings or the head, takes
+    longer). ValueError as `check` for a bad one."""
     _check_shape(order)
+    if not isinstance(costs, Costs) and len(costs) != order.stages:
+        raise ValueError(f"simulate: {len(costs)} stages' costs for an order of {order.stages} virtual stages")
     slots = _run(order, costs)
     return Timeline(order, tuple(sorted(slots, key=lambda s: (s.rank, s.start))),
                     max((s.end for s in slots), default=0.0))
 
 
-def _run(order: Order, costs: Costs) -> list[Slot]:
+def _run(order: Order, costs: Costs | Sequence[Costs]) -> list[Slot]:
     """Run every rank's list in order: an action starts once its rank is free and what it needs
     has ended (plus `transfer` from another rank). Raises ValueError on a deadlock."""
     ends: dict[Key, float] = {}
@@ -324,9 +329,10 @@ def _run(order: Order, costs: Costs) -> list[Slot]:
                 needs = _needs(order, key)
                 if any(n not in ends for n in needs):
                     break
-                start = max([free[rank]] + [ends[n] + (costs.transfer if owner[n] != rank else 0)
+                c = costs if isinstance(costs, Costs) else costs[key[0]]
+                start = max([free[rank]] + [ends[n] + (c.transfer if owner[n] != rank else 0)
                                             for n in needs])
-                end = start + costs.of(a.kind, order.split_backward)
+                end = start + c.of(a.kind, order.split_backward)
                 ends[key] = free[rank] = end
                 slots.append(Slot(rank, a, key[0], start, end))
                 nxt[rank] += 1
