@@ -6,6 +6,7 @@ the other waiting for its gradient."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,28 @@ def test_a_pipeline_schedule_runs_compiled(capfd, backend: str) -> None:
     assert sorted((ln[1], ln[2]) for ln in got) == [("0:", "g"), ("0:", "w1"), ("0:", "w2"),
                                                       ("1:", "g"), ("1:", "w1"), ("1:", "w2")], log
     assert all(float(ln[-1]) < 1e-10 for ln in got), log
+
+
+def test_explain_models_a_pipeline_schedule(tmp_path) -> None:
+    """`coconetc explain -s PIPELINE`: each virtual stage's modelled forward and backward on one
+    micro-batch (the zero-bubble order's backward as its input- and weight-gradient programs,
+    which add up to it: no stage computed twice), and the bubble those costs give."""
+    from click.testing import CliRunner
+
+    from coconetc.cli import main
+    from coconetc.pipeline import orders
+    f = tmp_path / "model.ccn"
+    f.write_text(_schedule('pipeline(stages=2, microbatches=4, order="zero_bubble", layers=[3, 1])'))
+    res = CliRunner().invoke(main, ["explain", str(f), "-s", "pp", "-n", "2", "--size", "B=16", "--size", "H=64",
+                                    "--size", "F=256"])
+    assert res.exit_code == 0, res.output
+    assert "pipeline pp: 2 virtual stages, 4 micro-batches of B=4, order zero_bubble; 2 rank(s) a stage" in res.output
+    costs = []
+    for s, layers in ((0, "0..2"), (1, "3..3")):
+        line = next(ln for ln in res.output.splitlines() if ln.startswith(f"  stage {s} (layers {layers})"))
+        f_ms, b_ms, bi, w = (float(x) for x in re.findall(r"([0-9.]+) ms", line))
+        assert abs(bi + w - b_ms) <= 0.002 + 0.02 * b_ms, line
+        costs.append(orders.Costs(forward=f_ms, backward=b_ms, input_grad=bi, weight_grad=w))
+    assert costs[0].forward > 2 * costs[1].forward  # 3 layers against 1
+    bubble = orders.simulate(orders.make("zero_bubble", 2, 4), costs).bubble()
+    assert f"bubble {bubble:.3f}" in res.output, (bubble, res.output)

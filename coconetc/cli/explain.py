@@ -37,8 +37,10 @@ from coconetc.cli.options import checked_target, records_options
                    "unit's measured time beside the cost model's and its bound (CPU backend).")
 @click.option("--reps", type=click.IntRange(2), default=6, show_default=True,
               help="--measure's calls (the first is a warm-up, left out).")
+@click.option("--chart", type=click.Path(dir_okay=False), metavar="PNG",
+              help="With -s naming a pipeline schedule: draw its timeline to this PNG too (needs matplotlib).")
 def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, bandwidth, peak, machine, fmt,
-            measure, reps) -> None:
+            measure, reps, chart) -> None:
     """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
     passes over memory, kernel launches and plan units, the modelled time (the CPU backend's:
     left out for --backend cuda), and the measured time where the tuning cache has one for
@@ -53,7 +55,11 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     flops (the cost model's, per rank); its bound, max(bytes / bandwidth,
     flops / peak). --format json prints it for bench/cuda_gpu_check.py
     --kernels, which measures each unit on a GPU against its bound
-    (docs/cuda.md, "Every kernel against its bound")."""
+    (docs/cuda.md, "Every kernel against its bound").
+
+    With -s naming a pipeline schedule (docs/pipeline.md): also each virtual stage's modelled
+    forward and backward on one micro-batch (--ranks: a stage's ranks), the timeline, the
+    bubble and each rank's peak micro-batches held; --chart PNG draws the timeline."""
     from coconetc.tune import explain as ex
     if measure:
         return _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps)
@@ -86,6 +92,9 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
                 text = ex.kernel_table(doc) if fmt == "text" else ""
             else:
                 text = ex.explain(mod, name, schedule, ranks, mine, nodes, target)
+                if schedule is not None and schedule != "auto" and target == "cpu":
+                    more = ex.pipeline_text(mod, name, schedule, ranks, mine, chart=chart)
+                    text += "\n" + more if more else ""
             if text:
                 click.echo(("\n" if i else "") + text, nl=False)
         except ex.ExplainError as err:

@@ -618,3 +618,58 @@ def _short(name: str) -> str:
     if key is not None:
         return key[0] + "".join(f" lambda({sig})#{k}" for sig, k in key[1])
     return name if len(name) <= 80 else name[:77] + "..."
+
+
+def pipeline_text(mod: SourceFile, program: str, schedule: str, ranks: int, given: dict[str, int],
+                  first: str = "x", chart: str | None = None) -> str:
+    """The pipeline of SCHEDULE (a `pipeline(...)` directive; "" when it has none) under the
+    cost model: each virtual stage's modelled forward and backward (input and weight gradient
+    where the order splits it) on one micro-batch (the batch, dim 0 of FIRST, divided by the
+    micro-batches) and RANKS ranks a stage, the timeline they give (orders.simulate with each
+    stage's costs), its bubble and each rank's peak activations; CHART: a PNG of it."""
+    from coconetc.autodiff.saved import bwd_name, input_name, weight_name
+    from coconetc.pipeline import orders
+    from coconetc.schedule.pipeline import Pipeline, cut, stage_name
+    from coconetc.sourcefile import with_grads
+    found = [d for d in mod.schedule(program, schedule).directives if isinstance(d, Pipeline)]
+    if not found:
+        return ""
+    p = mod.programs[program]
+    c = cut(p, found[0])
+    q = p.param(first)
+    if q is None or not q.type.shape or not isinstance(q.type.shape[0], str):
+        raise ExplainError(f"explain: {program}'s parameter {first!r} (the batch the first stage reads) "
+                           "has no size symbol for its dim 0")
+    sizes = _sizes(mod, program, ranks, given, "cpu")
+    batch, M = q.type.shape[0], c.order.microbatches
+    if sizes[batch] % M:
+        raise ExplainError(f"explain: {batch}={sizes[batch]} does not divide into microbatches={M}")
+    micro = {**sizes, batch: sizes[batch] // M}
+    full = with_grads(mod, [f"{program}@{schedule}:{first}"])
+    lines = [f"pipeline {schedule}: {c.order.stages} virtual stages, {M} micro-batches of {batch}={micro[batch]}, "
+             f"order {c.order.name}; {ranks} rank(s) a stage; the cost model's time of one micro-batch:"]
+    costs = []
+    for s in range(c.order.stages):
+        name = stage_name(program, schedule, s)
+
+        def t(prog: str) -> float:
+            return cost(full.plans[(prog, DEFAULT)], micro, ranks).seconds()
+        f, b = t(f"{name}_fwd"), t(bwd_name(name))
+        bi = t(input_name(name)) if input_name(name) in full.programs else b
+        w = t(weight_name(name)) if weight_name(name) in full.programs else 0.0
+        costs.append(orders.Costs(forward=f, backward=b, input_grad=bi, weight_grad=w))
+        a, z = c.layers[s]
+        lines.append(f"  stage {s} (layers {a}..{z - 1}): F {f * 1e3:.3f} ms, B {b * 1e3:.3f} ms"
+                     + (f" (input gradient {bi * 1e3:.3f} ms + weight gradient {w * 1e3:.3f} ms)"
+                        if c.order.split_backward else ""))
+    timeline = orders.simulate(c.order, costs)
+    lines.append(f"step {timeline.makespan * 1e3:.3f} ms; bubble {timeline.bubble():.3f}; peak micro-batches held: "
+                 + ", ".join(f"rank {r} {timeline.peak_activations(r)}" for r in range(c.order.ranks)))
+    lines += orders.render(timeline).splitlines()
+    if chart:
+        try:
+            orders.chart(timeline, chart)
+        except RuntimeError as err:  # no matplotlib: the message says what to install
+            raise ExplainError(str(err)) from None
+        lines.append(f"chart: {chart}")
+    return "\n".join(lines) + "\n"
