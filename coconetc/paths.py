@@ -8,6 +8,7 @@ of the repository."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -62,3 +63,21 @@ def install_command(extra: str) -> str:
     mine = [r.split(";")[0].strip() for r in reqs
             if re.search(rf"""extra\s*==\s*["']{re.escape(extra)}["']""", r.partition(";")[2])]
     return "pip install " + " ".join(f"'{r}'" for r in mine) if mine else f"pip install '.[{extra}]'"
+
+
+_IMPORT = re.compile(r'^[ \t]*from[ \t]+"([^"\n]*)"[ \t]+import\b', re.M)
+
+
+def import_path(importer: str | Path, name: str) -> Path:
+    """The file `from "NAME" import ...` in the .ccn file IMPORTER names: NAME relative to
+    IMPORTER's folder (the working directory for a text that is no file, "<string>"), or a
+    shipped example by its bare name (source_path)."""
+    base = Path(importer).parent if Path(importer).is_file() else Path.cwd()
+    here = base / name
+    return here if here.exists() else source_path(name)
+
+
+def imported_files(importer: str | Path, text: str) -> list[Path]:
+    """The files TEXT (the .ccn file IMPORTER) imports programs from, directly (what a cache of
+    its module must key on besides its own text)."""
+    return [import_path(importer, m) for m in _IMPORT.findall(text)]

@@ -116,6 +116,7 @@ def _checked(mod: SourceFile, tree) -> SourceFile:
     scope.failed |= {e.name for e in tree.externs if e.name not in mod.externs}
     scope.externs = set(mod.externs)
     scope.programs = programs_of(tree)
+    errors += _imports(mod, tree, scope)
     for i, prog in enumerate(tree.programs):
         _collect(errors, _program, mod, prog, tree.programs[:i], scope)
     for sched in tree.schedules:
@@ -126,6 +127,50 @@ def _checked(mod: SourceFile, tree) -> SourceFile:
     if errors:
         raise CompileError(sorted(errors, key=lambda d: (d.span.line, d.span.col)))
     return mod
+
+
+def _imports(mod: SourceFile, tree: syntax.File, scope: Scope) -> list[Diagnostic]:
+    """`from "other.ccn" import p`: p (and the programs of that file it calls) become programs
+    this file's programs may call (inlined, as the file's own are; not programs of this file's
+    module). The other file holds programs and schedules only (no op, extern or import)."""
+    from coconetc.frontend.calls import calls_of
+    from coconetc.paths import import_path
+    errors: list[Diagnostic] = []
+    for imp in tree.imports:
+        path = import_path(mod.file, imp.path.text)
+        try:
+            other = parse(path.read_text(), str(path))
+        except OSError:
+            errors.append(Diagnostic(imp.path.span, f"no file {imp.path.text!r} to import from (looked beside "
+                                     "this file, and among the examples that ship with coconet)"))
+            continue
+        except CompileError as err:
+            errors.extend(err.diagnostics)
+            continue
+        if other.ops or other.externs or other.imports:
+            errors.append(Diagnostic(imp.path.span, f"{imp.path.text} declares operations (op, extern) or imports "
+                                     "from other files: programs are imported only from a file of programs "
+                                     "and schedules"))
+            continue
+        theirs = programs_of(other)
+        for n in imp.names:
+            if n.id not in theirs:
+                errors.append(Diagnostic(n.span, f"{imp.path.text} has no program '{n.id}' (its programs: "
+                                         f"{', '.join(theirs) or 'none'})"))
+                continue
+            todo = [n.id]
+            while todo:
+                name = todo.pop()
+                if scope.programs.get(name) is theirs[name]:
+                    continue
+                if name in scope.programs:
+                    errors.append(Diagnostic(n.span, f"program '{name}' (imported from {imp.path.text}"
+                                             f"{'' if name == n.id else ', which ' + n.id + ' calls'}) is "
+                                             "defined in this file too"))
+                    break
+                scope.programs[name] = theirs[name]
+                todo += calls_of(theirs[name], Scope(programs=dict(theirs)))
+    return errors
 
 
 def grad_name(program: str) -> str:

@@ -4,6 +4,7 @@ of plain PyTorch:
 
     python examples/train_gpt.py --mode tp --ranks 2           # relaunches itself under mpiexec
     python examples/train_gpt.py --mode tp_dp --ranks 4        # 2 groups of 2: tensor x data parallel
+    python examples/train_gpt.py --mode pp_tp --ranks 4 --layers 4   # 2 pipeline stages x tensor parallel 2
     coconetc launch -n 2 examples/train_gpt.py --mode all      # every mode the rank count allows
 
 The model is nanoGPT's (docs/train_gpt.md): token and position embeddings, --layers blocks, a
@@ -46,6 +47,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 GPT_BLOCK = HERE / "gpt_block.ccn"
+GPT_PIPELINE = HERE / "gpt_pipeline.ccn"  # gpt_block over 4 layers, with a pipeline schedule for each order
 ADAMW = HERE / "adamw.ccn"
 PROGRAMS = {"tp": "gpt_block", "sp": "gpt_block_sp", "tp_dp": "gpt_block",
             "pp": "gpt_block", "pp_tp": "gpt_block", "pp_tp_dp": "gpt_block"}
@@ -150,6 +152,10 @@ def check_sizes(mode: str, a: argparse.Namespace, ranks: int, order: str = "1f1b
             make(order, stages, a.microbatches, chunks)
         except ValueError as err:
             raise SystemExit(f"--order {order}: {err}") from None
+        if a.from_schedule and (a.layers, stages, a.microbatches, chunks) != (4, 2, 4, (2 if order == "interleaved" else 1)):
+            raise SystemExit(f"--from-schedule: {GPT_PIPELINE.name}'s schedules are 4 layers on 2 stages, 4 "
+                             "micro-batches (2 chunks a rank, interleaved): use --layers 4 --stages 2 "
+                             "--microbatches 4 --chunks 2")
         if (a.batch // groups) % a.microbatches:
             raise SystemExit(f"--batch {a.batch}: {a.batch // groups} rows a data-parallel group do not split "
                              f"into --microbatches {a.microbatches} equal micro-batches")
@@ -398,7 +404,6 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     program = PROGRAMS[mode]
     prog = load_file(GPT_BLOCK).program(program)
     decl = {q.name: q for q in prog.params}
-    block = Block(GPT_BLOCK, program, comm=tp_comm, schedule=a.schedule, grad_schedule=a.grad_schedule)
     params: dict[str, torch.Tensor] = {}  # name as the reference model's -> this rank's part
     layouts: dict[str, Any] = {}
 
@@ -411,36 +416,57 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
 
     H = a.hidden
     scale = 1.0 / math.sqrt(H // a.heads)
-    chunks: list[Chunk] = []
-    layers: list[tuple[int, Any]] = []  # (the layer's index in the model, the layer)
-    for c in range(V):
-        stage = c * P + s
-        ls = []
-        for i in range(bounds[stage], bounds[stage + 1]):
-            ws = {n: mine(f"blocks.{i}.{n}", full["blocks"][i][n]) for n in block.weights}
-            ls.append(block.layer(ws, scale=scale, pdrop=a.dropout, seed=i))
-            layers.append((i, ls[-1]))
-        pre = post = None
-        if stage == 0:
-            for n in ("wte", "wpe"):
-                params[n] = full[n].clone().requires_grad_(True)
+    held = [c * P + s for c in range(V)]  # this rank's virtual stages
+    pre = post = None
+    if 0 in held:
+        for n in ("wte", "wpe"):
+            params[n] = full[n].clone().requires_grad_(True)
 
-            def pre(idx: torch.Tensor) -> torch.Tensor:
-                return params["wte"][idx] + params["wpe"][:idx.shape[1]]
-        if stage == P * V - 1:
-            for n in ("wte", "ln_f_w", "ln_f_b"):
-                params.setdefault(n, full[n].clone().requires_grad_(True))
+        def pre(idx: torch.Tensor) -> torch.Tensor:
+            return params["wte"][idx] + params["wpe"][:idx.shape[1]]
+    if P * V - 1 in held:
+        for n in ("wte", "ln_f_w", "ln_f_b"):
+            params.setdefault(n, full[n].clone().requires_grad_(True))
 
-            def post(x: torch.Tensor) -> torch.Tensor:
-                x = F.layer_norm(x, (H,), params["ln_f_w"], params["ln_f_b"], 1e-5)
-                return x @ params["wte"].T
-        chunks.append(Chunk(ls, pre=pre, post=post))
+        def post(x: torch.Tensor) -> torch.Tensor:
+            x = F.layer_norm(x, (H,), params["ln_f_w"], params["ln_f_b"], 1e-5)
+            return x @ params["wte"].T
     share = 1.0 / dp
 
     def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.reshape(-1, a.vocab), tgt.reshape(-1)) * share
 
-    pipe = Pipeline(chunks, order, microbatches=a.microbatches, comm=pp_comm, loss_fn=loss_fn, tp_comm=tp_comm)
+    layers: list[tuple[int, Any]] = []  # (the seed's offset, the layer)
+    if a.from_schedule:
+        # the stages of gpt_pipeline.ccn's schedule pp_<order>: each a compiled program of its
+        # layers, holding its rows of the stacked weights (this rank's tensor-parallel part)
+        from coconetc.torch.pipeline import from_schedule
+        stacked = {q.name: q for q in load_file(GPT_PIPELINE).program("gpt").params}
+        weights = {}
+        for n in BLOCK_WEIGHTS:
+            w = torch.stack([full["blocks"][i][n] for i in range(a.layers)])
+            weights[n] = w[layout.local_index(stacked[n], list(w.shape), T, t)]
+        pipe = from_schedule(GPT_PIPELINE, "gpt", f"pp_{order}", weights=weights, comm=pp_comm, tp_comm=tp_comm,
+                             scalars={"scale": scale, "pdrop": a.dropout, "seed": 0}, pre=pre, post=post,
+                             loss_fn=loss_fn)
+        for (st, n), leaf in pipe.parameters.items():
+            params[f"stage{st}.{n}"] = leaf
+            first = pipe.rows[(st, n)][0]
+            for j in range(leaf.shape[0]):  # its layers, as the reference names them (views)
+                layouts[f"blocks.{first + j}.{n}"] = decl[n]
+        layers = [(0, c.layers[0]) for c in pipe.chunks]
+    else:
+        block = Block(GPT_BLOCK, program, comm=tp_comm, schedule=a.schedule, grad_schedule=a.grad_schedule)
+        chunks: list[Chunk] = []
+        for c in range(V):
+            stage = c * P + s
+            ls = []
+            for i in range(bounds[stage], bounds[stage + 1]):
+                ws = {n: mine(f"blocks.{i}.{n}", full["blocks"][i][n]) for n in block.weights}
+                ls.append(block.layer(ws, scale=scale, pdrop=a.dropout, seed=i))
+                layers.append((i, ls[-1]))
+            chunks.append(Chunk(ls, pre=pre if stage == 0 else None, post=post if stage == P * V - 1 else None))
+        pipe = Pipeline(chunks, order, microbatches=a.microbatches, comm=pp_comm, loss_fn=loss_fn, tp_comm=tp_comm)
     # the token embedding is tied to the head: the first and the last stage each hold it, and
     # their gradients are summed between them (Megatron's embedding group)
     ends = {0, (P * V - 1) % P}
@@ -465,7 +491,12 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
         if dp_comm is not None:
             for p in params.values():
                 dp_comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
-        grads = {n: p.grad.detach().clone() for n, p in params.items()} if step == 0 else {}
+        grads = {n: p.grad.detach().clone() for n, p in params.items() if not n.startswith("stage")} \
+            if step == 0 else {}
+        if step == 0 and a.from_schedule:  # a stage's stacked leaf: its layers' gradients
+            for (st, n), leaf in pipe.parameters.items():
+                for j in range(leaf.shape[0]):
+                    grads[f"blocks.{pipe.rows[(st, n)][0] + j}.{n}"] = leaf.grad[j].detach().clone()
         opt.step()
         losses.append(comm.allreduce(loss if holder else 0.0))  # each group's: its share of the batch's
         t1 = time.perf_counter()
@@ -489,6 +520,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     loss_err = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
     held = comm.allreduce(sum(p.numel() for p in params.values()), op=MPI.MAX)
     how = (f"{P} stages x tensor parallel {T}" + (f" x data parallel {dp}" if dp > 1 else "")
+           + (f" (stages: {GPT_PIPELINE.name}'s schedule pp_{order})" if a.from_schedule else "")
            + f", order {order}" + (f" ({V} chunks a rank)" if V > 1 else "") + f", {a.microbatches} micro-batches")
     return {"mode": f"{mode}/{order}", "how": how, "program": program, "groups": dp, "group_size": T,
             "grad_err": grad_err, "losses": losses, "ref_losses": ref_losses, "loss_err": loss_err,
@@ -536,6 +568,8 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=4, help="pp modes: micro-batches a step (default 4)")
     ap.add_argument("--chunks", type=int, default=2, help="pp modes, the interleaved order: model chunks a "
                     "rank (default 2)")
+    ap.add_argument("--from-schedule", action="store_true", help="pp modes: the stages from gpt_pipeline.ccn's "
+                    "pipeline schedule pp_<order> (a program of 4 layers) instead of a Block a layer")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=32)
@@ -562,7 +596,11 @@ def main() -> int:
                 check_sizes(m, a, a.ranks, o)
         import coconetc
         for prog in dict.fromkeys(PROGRAMS[m] + (":x" if m.startswith("pp") else "") for m in modes):
-            coconetc.load(GPT_BLOCK, log=lambda msg: None, grad=(prog,))
+            if not (a.from_schedule and prog.endswith(":x")):
+                coconetc.load(GPT_BLOCK, log=lambda msg: None, grad=(prog,))
+        if a.from_schedule and any(m.startswith("pp") for m in modes):
+            for o in orders_of(a):
+                coconetc.load(GPT_PIPELINE, log=lambda msg: None, grad=(f"gpt@pp_{o}:x",))
         if "tp_dp" in modes:
             coconetc.load(ADAMW, log=lambda msg: None)
         from coconetc.launch.mpiexec import run_python

@@ -192,7 +192,7 @@ def test_run_every_schedule_matches(path: Path, prog: str, sched: str) -> None:
     # the pipeline stage needs two groups (of 3 ranks) to send anything that is not zeros
     ranks = ("--ranks", "6", "--groups", "2") if path.stem == "pipeline" else ("--ranks", "3")
     # gpt_block's heads: 3 ranks hold whole heads of the merged NH * HD columns when HD = 1
-    sizes = ("--size", "HD=1") if path.stem == "gpt_block" else ()
+    sizes = ("--size", "HD=1") if path.stem in ("gpt_block", "gpt_pipeline") else ()
     res = invoke("run", path, "-p", prog, *ranks, *sizes, "--schedule", sched, "--interp")
     assert res.exit_code == 0, res.output
     assert "matches the unscheduled program on every rank" in res.stdout

@@ -292,3 +292,59 @@ def test_the_backward_recomputes_the_layers_of_the_stacked_parameters(mod):
         k = pub.removeprefix("d_")
         np.testing.assert_allclose(joined(got, pub, SLICED.get(k)), joined(want, pub, SLICED.get(k)), rtol=1e-12,
                                    atol=1e-14, err_msg=pub)
+
+
+# --- programs imported from another file ---------------------------------------------------------
+BLOCK_FILE = """program blk(x: f64[B, H] replicated, w: f64[H, H] replicated) {
+    y = x + matmul(x, w)
+    return y
+}
+
+program twice(x: f64[B, H] replicated, w: f64[H, H] replicated) {
+    a = blk(x, w)
+    y = blk(a, w)
+    return y
+}
+"""
+
+
+def test_an_imported_program_is_called_as_the_files_own(tmp_path) -> None:
+    """`from "other.ccn" import p`: p (and what it calls there) inlined; the other file's
+    programs are not this file's."""
+    import numpy as np
+
+    from coconetc.interp.interpreter import run
+    from coconetc.sourcefile import load_file
+    (tmp_path / "blocks.ccn").write_text(BLOCK_FILE)
+    (tmp_path / "model.ccn").write_text('from "blocks.ccn" import twice\n\n'
+                                        "program model(x: f64[B, H] replicated, w: f64[H, H] replicated) {\n"
+                                        "    y = twice(x, w)\n    return y\n}\n")
+    mod = load_file(tmp_path / "model.ccn")
+    assert list(mod.programs) == ["model"]
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((3, 3))
+    got = run(mod.programs["model"], [{"x": x, "w": w}])[0].outputs["y"]
+    a = x + x @ w
+    np.testing.assert_allclose(got, a + a @ w, rtol=1e-12)
+
+
+@pytest.mark.parametrize("line, other, at, says", [
+    ('from "nowhere.ccn" import blk', None, '"nowhere.ccn"', "no file 'nowhere.ccn' to import from"),
+    ('from "blocks.ccn" import blk, nope', BLOCK_FILE, "nope", "blocks.ccn has no program 'nope' (its programs: blk, twice)"),
+    ('from "blocks.ccn" import twice', BLOCK_FILE, "twice", "program 'blk' (imported from blocks.ccn, which twice calls) "
+                                                            "is defined in this file too"),
+    ('from "blocks.ccn" import blk', "op sq(x) = x * x\n" + BLOCK_FILE, '"blocks.ccn"', "declares operations"),
+])
+def test_a_bad_import_is_located(tmp_path, line: str, other: str | None, at: str, says: str) -> None:
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_file
+    if other is not None:
+        (tmp_path / "blocks.ccn").write_text(other)
+    text = (line + "\n\nprogram blk(x: f64[N] local) {\n    y = x + x\n    return y\n}\n"
+            if "twice" in line and "nope" not in line else line + "\n")
+    (tmp_path / "model.ccn").write_text(text)
+    with pytest.raises(CompileError) as err:
+        load_file(tmp_path / "model.ccn")
+    d = err.value.diagnostics[0]
+    assert says in d.message, d.message
+    assert (d.span.line, d.span.col) == (1, line.index(at) + 1), (d.span, d.message)

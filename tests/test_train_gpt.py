@@ -107,6 +107,17 @@ def test_pipeline_gpt_trains_like_one_process_in_every_order(tmp_path):
     assert "2 stages x tensor parallel 2, order interleaved (2 chunks a rank), 4 micro-batches" in res.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_the_pipeline_program_trains_like_one_process(tmp_path):
+    """--from-schedule: the stages built from examples/gpt_pipeline.ccn's schedule pp_zero_bubble
+    (its 4 layers cut into 2 stage programs, each compiled with its B and W), on 4 ranks (tensor
+    parallel 2 in each stage)."""
+    res = _train(tmp_path, 4, "pp_tp", "--layers", "4", "--from-schedule", "--order", "zero_bubble")
+    _check(res, ["pp_tp/zero_bubble"], 4)
+    assert "(stages: gpt_pipeline.ccn's schedule pp_zero_bubble)" in res.stdout
+
+
 def _script():
     spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

@@ -280,7 +280,7 @@ def parse(source: str, file: str = "<string>") -> syntax.File:
     def of(cls):
         return tuple(i for i in items if isinstance(i, cls))
     return syntax.File(file, source, of(syntax.Program), of(syntax.Schedule), of(syntax.OpDecl),
-                       of(syntax.ExternDecl))
+                       of(syntax.ExternDecl), of(syntax.Import))
 
 
 def _bin(op: str) -> Callable[[_ToAst, Any, list], syntax.BinOp]:
@@ -331,6 +331,10 @@ class _ToAst(Transformer):
         for stmt in body:
             _no_options(getattr(stmt, "value", None))
         return syntax.Program(str(name), params, body, self._span(meta), self._tspan(name))
+
+    def use(self, meta, ch):
+        path, *names = ch
+        return syntax.Import(syntax.String(str(path)[1:-1], self._tspan(path)), self._names(names), self._span(meta))
 
     def _names(self, toks) -> tuple[syntax.Name, ...]:
         return tuple(syntax.Name(str(t), self._tspan(t)) for t in toks if t is not None)

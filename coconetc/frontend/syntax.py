@@ -207,6 +207,16 @@ class ExternDecl:
 
 
 @dataclass(frozen=True)
+class Import:
+    """`from "other.ccn" import p, q`: programs of another file that this file's programs may
+    call (docs/language.md, "Calling programs")."""
+
+    path: String
+    names: tuple[Name, ...]
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
 class File:
     """A parsed .ccn file: its programs and schedules, in order."""
 
@@ -216,3 +226,4 @@ class File:
     schedules: tuple[Schedule, ...] = field(default=())
     ops: tuple[OpDecl, ...] = field(default=())
     externs: tuple[ExternDecl, ...] = field(default=())
+    imports: tuple[Import, ...] = field(default=())

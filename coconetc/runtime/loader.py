@@ -47,7 +47,9 @@ def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), librar
     path = Path(path)
     text = path.read_text()
     options = (tuple(map(str, include_dirs)), tuple(map(str, library_dirs)), tuple(map(str, libraries)), tuple(grad))
-    key = warm.key(path, text, tuned_schedules(text), options)
+    from coconetc.paths import imported_files  # the programs it imports are part of its module
+    deps = "".join(f.read_text() if f.is_file() else "" for f in imported_files(path, text))
+    key = warm.key(path, text + deps, tuned_schedules(text), options)
     rec = warm.recall(key)
     if rec is not None:
         return CompiledModule.remembered(rec.exports, rec.module, import_extension(rec.module, rec.path), rec.whole)

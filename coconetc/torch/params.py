@@ -31,7 +31,9 @@ def load(source: str | Path, grad: tuple[str, ...] = (), what: str = "Distribute
         raise FileNotFoundError(f"{what}: no such .ccn file: {source} (nor an example of that name "
                                 f"shipped with coconet: {', '.join(_shipped())})")
     from coconetc.runtime.backends import backend_for
-    key = (str(path), path.stat().st_mtime, grad, backend_for(backend).name)
+    from coconetc.paths import imported_files
+    stamps = tuple(f.stat().st_mtime if f.is_file() else 0.0 for f in imported_files(path, path.read_text()))
+    key = (str(path), path.stat().st_mtime, stamps, grad, backend_for(backend).name)
     if key not in _LOADED:
         import coconetc
         _LOADED[key] = coconetc.load(path, log=lambda msg: None, grad=grad, backend=backend)

@@ -212,6 +212,7 @@ class Pipeline:
         self._device = next((t.device for c in self.chunks for ly in c.layers for t in ly.params.values()),
                             torch.device("cpu"))
         self.parameters: dict[tuple[int, str], torch.Tensor] = {}  # from_schedule's leaves
+        self.rows: dict[tuple[int, str], tuple[int, int]] = {}  # the rows of a stacked one it took
         tp = 1 if tp_comm is None else tp_comm.Get_size()
         self._tp_sizes = comm.allgather(tp)
         self.order = self._agree(lambda: self._checked(order))
@@ -403,8 +404,9 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     scalars: the program's scalars. comm: one rank of each stage (pipeline rank = stage);
     tp_comm: the stage's tensor-parallel group (None: one rank a stage). `pipe.parameters`:
     (virtual stage, name) -> the leaf tensor whose `.grad` a step fills (give them to the
-    optimizer); a parameter that several stages read (not stacked) is a leaf on each, and
-    their gradients add up to its gradient. backend: as Block's."""
+    optimizer; `pipe.rows`: (virtual stage, name) -> the rows [first, stop) of a stacked
+    parameter it took); a parameter that several stages read (not stacked) is a leaf on each,
+    and their gradients add up to its gradient. backend: as Block's."""
     from mpi4py import MPI
 
     from coconetc.schedule.pipeline import Pipeline as Directive
@@ -425,6 +427,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     rank, last = comm.Get_rank(), c.order.stages - 1
     chunks = []
     params: dict[tuple[int, str], torch.Tensor] = {}
+    taken: dict[tuple[int, str], tuple[int, int]] = {}
     for k in range(c.order.chunks):
         s = c.order.stage(rank, k)
         sp = stage_program(p, c, s, stage_name(program, schedule, s))
@@ -437,8 +440,10 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
                 raise TypeError(f"from_schedule: weights has no {n!r} (stage {s} reads it)")
             w = weights[n][rows[n][0]:rows[n][1]] if n in rows else weights[n]
             mine[n] = params[(s, n)] = w.detach().clone().requires_grad_(True)
+            if n in rows:
+                taken[(s, n)] = rows[n]
         layer = block.layer(mine, **{n: scalars[n] for n in block.scalars if n in scalars})
         chunks.append(Chunk([layer], pre=pre if s == 0 else None, post=post if s == last else None))
     pipe = Pipeline(chunks, c.order, microbatches=c.order.microbatches, comm=comm, loss_fn=loss_fn, tp_comm=tp_comm)
-    pipe.parameters = params
+    pipe.parameters, pipe.rows = params, taken
     return pipe
