@@ -308,12 +308,39 @@ def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, gro
 
 
 # --- one mode: train both, compare ----------------------------------------------------------------
+def reference_step(ref: Any, ref_opt: Any, idx: Any, tgt: Any, a: argparse.Namespace) -> float:
+    """The one-process model's loss and gradients on the whole batch (before its optimizer steps)."""
+    import torch.nn.functional as F
+    ref_opt.zero_grad()
+    loss = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
+    loss.backward()
+    return loss.item()
+
+
+def gradient_errors(mine: dict[str, Any], refs: dict[str, Any], layouts: dict[str, Any], gs: int, r: int,
+                    comm: Any) -> dict[str, float]:
+    """Each parameter's gradient on this rank (MINE: name -> this rank's part, in LAYOUTS' layout
+    over a group of GS ranks, this rank R in it) against the one-process model's, as the largest
+    difference over the largest element; the worst over the ranks of COMM that hold it."""
+    from coconetc.runtime import layout
+    errs = {}
+    for name, g in mine.items():
+        want = refs[name].grad.detach()
+        if name in layouts:
+            want = want[layout.local_index(layouts[name], list(want.shape), gs, r)]
+        errs[name] = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+    worst: dict[str, float] = {}
+    for part in comm.allgather(errs):
+        for name, e in part.items():
+            worst[name] = max(worst.get(name, 0.0), e)
+    return worst
+
+
 def run_mode(mode: str, a: argparse.Namespace, comm: Any) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from mpi4py import MPI
 
-    from coconetc.runtime import layout
     from coconetc.torch import DistributedOptimizer
     rank, ranks = comm.Get_rank(), comm.Get_size()
     groups = a.dp_groups if mode == "tp_dp" else 1
@@ -356,17 +383,9 @@ def run_mode(mode: str, a: argparse.Namespace, comm: Any) -> dict[str, Any]:
         opt.step()
         losses.append(loss.item() if dp_comm is None else dp_comm.allreduce(loss.item()))
         t1 = time.perf_counter()
-        ref_opt.zero_grad()
-        ref_loss = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
-        ref_loss.backward()
-        ref_losses.append(ref_loss.item())
-        if step == 0:  # this rank's part of each one-process gradient
-            for name, g in mine.items():
-                want = refs[name].grad.detach()
-                if name in model.layouts:
-                    want = want[layout.local_index(model.layouts[name], list(want.shape), gs, r)]
-                err = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
-                grad_err[name] = comm.allreduce(err, op=MPI.MAX)
+        ref_losses.append(reference_step(ref, ref_opt, idx, tgt, a))
+        if step == 0:
+            grad_err = gradient_errors(mine, refs, model.layouts, gs, r, comm)
         ref_opt.step()
         t_coconet += t1 - t0
         t_ref += time.perf_counter() - t1
@@ -500,20 +519,9 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
         opt.step()
         losses.append(comm.allreduce(loss if holder else 0.0))  # each group's: its share of the batch's
         t1 = time.perf_counter()
-        ref_opt.zero_grad()
-        ref_loss = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
-        ref_loss.backward()
-        ref_losses.append(ref_loss.item())
-        if step == 0:  # this rank's part of each one-process gradient
-            errs = {}
-            for name, g in grads.items():
-                want = refs[name].grad.detach()
-                if name in layouts:
-                    want = want[layout.local_index(layouts[name], list(want.shape), T, t)]
-                errs[name] = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
-            for part in comm.allgather(errs):
-                for name, e in part.items():
-                    grad_err[name] = max(grad_err.get(name, 0.0), e)
+        ref_losses.append(reference_step(ref, ref_opt, idx, tgt, a))
+        if step == 0:
+            grad_err = gradient_errors(grads, refs, layouts, T, t, comm)
         ref_opt.step()
         t_coconet += t1 - t0
         t_ref += time.perf_counter() - t1
