@@ -17,6 +17,7 @@ PKG = Path(__file__).resolve().parents[1] / "coconetc"
 # bottom to top: (layer, its modules as prefixes, what it is)
 LAYERS = [
     ("base", ("coconetc.version", "coconetc.errors", "coconetc.paths"), "version, diagnostics, data files"),
+    ("pipeline", ("coconetc.pipeline",), "pipeline orders: each rank's micro-batch actions, checked, simulated"),
     ("ir", ("coconetc.ir",), "typed IR, operation registry, the language's shared facts"),
     ("frontend", ("coconetc.frontend",), "parse and check .ccn text"),
     ("autodiff", ("coconetc.autodiff",), "derived programs: the vector-Jacobian program of a typed IR program"),

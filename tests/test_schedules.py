@@ -55,7 +55,7 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
     if program == "col_parallel":  # H sliced; M cut into chunks
         return {"M": s, "K": 3, "H": s} if small else {"M": 5, "K": 3, "H": 7}
     if program in ("tp_mlp", "sp_block", "tp_mlp_grad", "tp_block", "tp_block_grad", "gpt_block", "gpt_block_sp",
-                   "gpt_block_grad", "gpt_block_sp_grad"):
+                   "gpt_block_grad", "gpt_block_sp_grad", "gpt"):  # gpt: gpt_pipeline.ccn's 4 gpt_blocks
         # F sliced (column then row); S split, chunked, sliced; gpt_block: NH heads sliced, of HD = 1
         # (merged with a dim of NH sliced, a rank's heads must be its slice of NH * HD)
         heads = {"NH": s if small else 4, "HD": 1} if program.startswith("gpt") else {}

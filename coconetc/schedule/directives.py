@@ -213,7 +213,9 @@ def text(d: Directive) -> str:
         return f"{name}fuse({', '.join(d.stages)})"
     if isinstance(d, Pipeline):
         args = [d.repeat] if d.repeat else []
-        args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"', f"chunks={d.chunks}"]
+        args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"']
+        if d.chunks != (2 if d.order == "interleaved" else 1):  # (written only where not the default)
+            args.append(f"chunks={d.chunks}")
         if d.layers is not None:
             args.append(f"layers=[{', '.join(map(str, d.layers))}]")
         if d.max_activations is not None:

@@ -631,7 +631,10 @@ def pipeline_text(mod: SourceFile, program: str, schedule: str, ranks: int, give
     from coconetc.pipeline import orders
     from coconetc.schedule.pipeline import Pipeline, cut, stage_name
     from coconetc.sourcefile import with_grads
-    found = [d for d in mod.schedule(program, schedule).directives if isinstance(d, Pipeline)]
+    label = parse(schedule)  # a label, as a call takes it: "default" (the program) has no directive
+    if label.default or label.name not in mod.schedules.get(program, {}):
+        return ""
+    found = [d for d in mod.schedule(program, label.name).directives if isinstance(d, Pipeline)]
     if not found:
         return ""
     p = mod.programs[program]
