@@ -274,7 +274,10 @@ def test_examples_compile_and_link_with_nvcc(path):
     assert "libnccl.so.2" in ldd and "not found" not in ldd, ldd
 
 
-DEVICE = [p for p in DIRECT if p not in WHOLE]
+# (not gpt_pipeline.ccn: its device code is gpt_block.ccn's block four times over, once per
+# schedule; gpt_block.ccn's compile covers it; a pipeline schedule's stage programs run under the
+# CUDA emulation in test_pipeline.py)
+DEVICE = [p for p in DIRECT if p not in WHOLE and p.name != "gpt_pipeline.ccn"]
 
 
 @pytest.mark.slow
