@@ -56,12 +56,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coconetc.pipeline import ORDERS, layer_bounds
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 _EXAMPLE = HERE.parent / "examples" / "gpt_block.ccn"
 GPT_BLOCK: str | Path = _EXAMPLE if _EXAMPLE.exists() else "gpt_block.ccn"  # the shipped example by name
 PROGRAM = "gpt_block"
-ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 TORCH_ORDERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                 "zero_bubble": "ScheduleInterleavedZeroBubble"}
 V_INTERLEAVED = 2
@@ -69,15 +70,6 @@ V_INTERLEAVED = 2
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def layer_bounds(layers: int, stages: int) -> list[int]:
-    """examples/train_gpt.py's cut: as even as can be, the first stages one more."""
-    q, rem = divmod(layers, stages)
-    bounds = [0]
-    for s in range(stages):
-        bounds.append(bounds[-1] + q + (s < rem))
-    return bounds
 
 
 def check_args(a: argparse.Namespace) -> None:

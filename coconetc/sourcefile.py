@@ -208,13 +208,14 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     activation it receives (x, p's parameter, on stage 0)."""
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))
-    for entry in programs:
-        if "@" in entry:
-            entry = ",".join(_pipeline_stages(new, entry))
-            new = with_grads(new, entry.split(","))
+    todo = list(programs)
+    while todo:
+        entry = todo.pop(0)
+        if "@" in entry:  # the stages first added to new, then each derived as an entry of its own
+            todo[:0] = _pipeline_stages(new, entry)
             continue
         p, _, inputs = entry.partition(":")
-        mod.program(p)  # a KeyError naming the file's programs
+        new.program(p)  # a KeyError naming the file's programs
         grad = _derive(new, p)
         _split(new, p, grad)
         if inputs:
@@ -228,14 +229,14 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
 def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
     """`p@s:x`: add the stage programs of schedule s's pipeline directive to MOD; their
     with_grads entries (each cut at the activation it receives)."""
-    from coconetc.schedule.pipeline import Pipeline, cut, stage_input, stage_name, stage_program
+    from coconetc.schedule.pipeline import cut, directive, stage_input, stage_name, stage_program
     target, _, first = entry.partition(":")
     program, _, schedule = target.partition("@")
     p = mod.program(program)
-    found = [d for d in mod.schedule(program, schedule).directives if isinstance(d, Pipeline)]
-    if not found:
+    d = directive(mod.schedule(program, schedule).directives)
+    if d is None:
         raise CompileError.at(p.span, f"schedule {schedule} of {program} has no pipeline(...) directive")
-    c = cut(p, found[0])
+    c = cut(p, d)
     entries = []
     for k in range(c.order.stages):
         sp = stage_program(p, c, k, stage_name(program, schedule, k))

@@ -45,13 +45,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coconetc.pipeline import ORDERS, layer_bounds
+
 HERE = Path(__file__).resolve().parent
 GPT_BLOCK = HERE / "gpt_block.ccn"
 GPT_PIPELINE = HERE / "gpt_pipeline.ccn"  # gpt_block over 4 layers, with a pipeline schedule for each order
 ADAMW = HERE / "adamw.ccn"
 PROGRAMS = {"tp": "gpt_block", "sp": "gpt_block_sp", "tp_dp": "gpt_block",
             "pp": "gpt_block", "pp_tp": "gpt_block", "pp_tp_dp": "gpt_block"}
-ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 SCALARS = ("scale", "pdrop", "seed")
 BLOCK_WEIGHTS = ("ln1_w", "ln1_b", "wq", "bq", "wk", "wv", "bv", "wo", "bo",
                  "ln2_w", "ln2_b", "w_fc", "b_fc", "w_proj", "b_proj")
@@ -119,16 +120,6 @@ def orders_of(a: argparse.Namespace) -> list[str]:
         if o not in ORDERS:
             raise SystemExit(f"--order: unknown order {o!r} ({', '.join(ORDERS)}, or all)")
     return got
-
-
-def layer_bounds(layers: int, stages: int) -> list[int]:
-    """Layer l runs on virtual stage s when bounds[s] <= l < bounds[s + 1]: as even as can be,
-    the first stages taking one more when the layers do not divide."""
-    q, rem = divmod(layers, stages)
-    bounds = [0]
-    for s in range(stages):
-        bounds.append(bounds[-1] + q + (s < rem))
-    return bounds
 
 
 def check_sizes(mode: str, a: argparse.Namespace, ranks: int, order: str = "1f1b") -> None:

@@ -72,10 +72,10 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
 
 def _show_pipeline(mod, name: str, schedule: str) -> None:
     """A pipeline directive's stages, each rank's actions and the simulated timeline."""
-    from coconetc.schedule.pipeline import Pipeline, timeline_text
-    for d in mod.schedule(name, schedule).directives:
-        if isinstance(d, Pipeline):
-            click.echo(timeline_text(mod.programs[name], d))
+    from coconetc.schedule.pipeline import directive, timeline_text
+    d = directive(mod.schedule(name, schedule).directives)
+    if d is not None:
+        click.echo(timeline_text(mod.programs[name], d))
 
 
 def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None,

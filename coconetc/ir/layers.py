@@ -36,3 +36,13 @@ def layer_ranges(p: Program, name: str) -> list[tuple[int, int]]:
     if last is not None:
         layers[-1].append(last)
     return [(min(ix), max(ix) + 1) for ix in layers if ix]
+
+
+def repeats(p: Program) -> list[str]:
+    """The names of p's repeats (`y = repeat(...)`: stages `y__l<k>__...`), in order."""
+    found: dict[str, None] = {}
+    for s in p.stages:
+        m = re.fullmatch(r"(.+?)__l(\d+)__.+", s.name)
+        if m:
+            found.setdefault(m.group(1))
+    return list(found)

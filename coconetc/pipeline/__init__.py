@@ -10,11 +10,12 @@ from coconetc.pipeline.orders import (
     Timeline,
     chart,
     check,
+    layer_bounds,
     make,
     predicted_bubble,
     render,
     simulate,
 )
 
-__all__ = ["ORDERS", "Action", "Costs", "Order", "Slot", "Timeline", "chart", "check", "make",
-           "predicted_bubble", "render", "simulate"]
+__all__ = ["ORDERS", "Action", "Costs", "Order", "Slot", "Timeline", "chart", "check",
+           "layer_bounds", "make", "predicted_bubble", "render", "simulate"]

@@ -77,6 +77,17 @@ class Order:
         return stage % self.ranks, stage // self.ranks
 
 
+def layer_bounds(layers: int, stages: int) -> list[int]:
+    """How LAYERS layers go to STAGES virtual stages when nothing says otherwise: layer l runs
+    on stage s when bounds[s] <= l < bounds[s + 1], as even as can be, the first stages taking
+    one more when the layers do not divide."""
+    q, rem = divmod(layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + q + (s < rem))
+    return bounds
+
+
 def make(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Order:
     """The order `name` for `ranks` pipeline ranks, `microbatches` micro-batches and `chunks`
     model chunks per rank (more than one only for `interleaved`)."""

@@ -16,17 +16,13 @@ keeps to the limit) and the plan shows its timeline."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 from coconetc.errors import CompileError, Span
 from coconetc.ir.expr import Expr, Op, Ref, refs, walk
-from coconetc.ir.layers import layer_ranges
+from coconetc.ir.layers import layer_ranges, repeats
 from coconetc.ir.nodes import Param, Program
 from coconetc.pipeline import orders
-
-_REPEAT = re.compile(r"(.+?)__l(\d+)__.+")
-
 
 @dataclass(frozen=True)
 class Pipeline:
@@ -46,14 +42,9 @@ class Pipeline:
         return dict(self.where).get(key) or self.span
 
 
-def repeats(p: Program) -> list[str]:
-    """The names of p's repeats (`y = repeat(...)`: stages `y__l<k>__...`), in order."""
-    found: dict[str, None] = {}
-    for s in p.stages:
-        m = _REPEAT.fullmatch(s.name)
-        if m:
-            found.setdefault(m.group(1))
-    return list(found)
+def directive(directives) -> Pipeline | None:
+    """The pipeline(...) directive among a schedule's DIRECTIVES (None: it has none)."""
+    return next((d for d in directives if isinstance(d, Pipeline)), None)
 
 
 def repeat_of(p: Program, d: Pipeline) -> str:
@@ -69,12 +60,6 @@ def repeat_of(p: Program, d: Pipeline) -> str:
             f"has {len(names)} repeats ({', '.join(names)}): name the one to cut, pipeline({names[0]}, ...)"
         raise CompileError.at(d.at("()"), f"pipeline(): {p.name} {why}")
     return names[0]
-
-
-def split_layers(n: int, stages: int) -> tuple[int, ...]:
-    """N layers over STAGES virtual stages, as even as can be, the first ones taking one more."""
-    q, r = divmod(n, stages)
-    return tuple(q + (s < r) for s in range(stages))
 
 
 @dataclass(frozen=True)
@@ -97,7 +82,8 @@ def cut(p: Program, d: Pipeline) -> Cut:
     if d.chunks > 1 and n % d.chunks:
         raise CompileError.at(d.at("chunks="), f"pipeline(): chunks={d.chunks} does not divide {name}'s {n} layers "
                               f"into equal chunks a rank (use a chunk count that divides {n})")
-    sizes = d.layers if d.layers is not None else split_layers(n, virtual)
+    even = orders.layer_bounds(n, virtual)
+    sizes = d.layers if d.layers is not None else tuple(b - a for a, b in zip(even, even[1:]))
     if d.layers is not None:
         if len(sizes) != virtual:
             raise CompileError.at(d.at("layers="), f"pipeline(): layers= gives {len(sizes)} stages' layers; "

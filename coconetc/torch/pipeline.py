@@ -74,6 +74,8 @@ class Block:
         self.bwd = mod.programs[bwd_name(program)]
         self.bwd_input = mod.programs[input_name(program)]
         self.bwd_weight = mod.programs[weight_name(program)]
+        # each function's schedule and the names of its outputs, by function (a call's results)
+        self._results: dict[str, tuple[str, list[str]]] = {}
         p = self.fwd.program_of(parse(self._sched(self.fwd, schedule)))
         self.params = [q.name for q in p.params]
         if input not in self.params:
@@ -93,6 +95,15 @@ class Block:
         """SCHEDULE where FN has it, else the default (a grad schedule that does not apply to
         the split programs: they run unscheduled)."""
         return schedule if schedule in fn.schedules else "default"
+
+    def call(self, fn: Any, schedule: str, **kw: Any) -> dict[str, torch.Tensor]:
+        """FN (one of this block's functions) under SCHEDULE where it has it: its outputs by name."""
+        if fn.name not in self._results:
+            label = self._sched(fn, schedule)
+            self._results[fn.name] = (label, [pub for pub, _ in fn.program_of(parse(label)).outputs])
+        label, names = self._results[fn.name]
+        out = fn(schedule=label, comm=self.call_comm, **kw)
+        return dict(zip(names, out if isinstance(out, tuple) else (out,)))
 
     def layer(self, params: dict[str, torch.Tensor], **scalars: Any) -> Layer:
         """One layer of this block: its weights (this rank's parts, leaf tensors whose `.grad`
@@ -120,15 +131,9 @@ class Layer:
     def _args(self) -> dict[str, Any]:
         return {**{n: t.detach() for n, t in self.params.items()}, **self.scalars}
 
-    def _call(self, fn: Any, schedule: str, **kw: Any) -> dict[str, torch.Tensor]:
-        b = self.block
-        out = fn(schedule=b._sched(fn, schedule), comm=b.call_comm, **kw)
-        outs = out if isinstance(out, tuple) else (out,)
-        return dict(zip([pub for pub, _ in fn.program_of(parse(b._sched(fn, schedule))).outputs], outs))
-
     def forward(self, m: int, x: torch.Tensor) -> torch.Tensor:
         b = self.block
-        out = self._call(b.fwd, b.schedule, **self._args(), **{b.input: x})
+        out = b.call(b.fwd, b.schedule, **self._args(), **{b.input: x})
         self.saved[m] = {k[len("saved_"):]: v for k, v in out.items() if k.startswith("saved_")}
         self.saved[m][b.input] = x
         return out[b.output]
@@ -141,11 +146,11 @@ class Layer:
         """The input's gradient; the weights' too unless SPLIT (then weight() makes them)."""
         b = self.block
         if not split:
-            out = self._call(b.bwd, b.grad_schedule, **self._bwd_args(m, dy))
+            out = b.call(b.bwd, b.grad_schedule, **self._bwd_args(m, dy))
             self.saved.pop(m)
             self._accumulate(out)
             return out[f"d_{b.input}"]
-        out = self._call(b.bwd_input, b.grad_schedule, **self._bwd_args(m, dy))
+        out = b.call(b.bwd_input, b.grad_schedule, **self._bwd_args(m, dy))
         self.kept[m] = {k[len("kept_"):]: v for k, v in out.items() if k.startswith("kept_")}
         self.kept[m][f"d_{b.output}"] = dy
         self._accumulate({k: v for k, v in out.items() if not k.startswith("kept_")})
@@ -154,7 +159,7 @@ class Layer:
     def weight(self, m: int) -> None:
         b = self.block
         kept = self.kept.pop(m)
-        out = self._call(b.bwd_weight, b.grad_schedule, **self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept)
+        out = b.call(b.bwd_weight, b.grad_schedule, **self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept)
         self.saved.pop(m)
         self._accumulate(out)
 
@@ -346,7 +351,7 @@ class Pipeline:
             h = layer.forward(act.microbatch, h)
         if stage < order.stages - 1:
             nxt = order.place(stage + 1)[0]
-            self._send(h, nxt, self._tag(F, act.microbatch, stage + 1), self._sliced(self._next_layers(stage)))
+            self._send(h, nxt, self._tag(F, act.microbatch, stage + 1), self._sliced(self._boundary_layers()))
             return
         leaf = h.detach().requires_grad_(True)
         out = chunk.post(leaf) if chunk.post is not None else leaf
@@ -366,7 +371,7 @@ class Pipeline:
             g = leaf.grad
         else:
             nxt = order.place(stage + 1)[0]
-            g = self._recv(nxt, self._tag(B, act.microbatch, stage), self._sliced(self._next_layers(stage)))
+            g = self._recv(nxt, self._tag(B, act.microbatch, stage), self._sliced(self._boundary_layers()))
         assert g is not None
         for layer in reversed(chunk.layers):
             g = layer.backward(act.microbatch, g, order.split_backward)
@@ -376,9 +381,9 @@ class Pipeline:
         elif key in self._outputs:  # the torch part before the first layer
             self._outputs.pop(key).backward(g)
 
-    def _next_layers(self, stage: int) -> Sequence[Layer]:
-        """The layers of virtual stage STAGE + 1 (the same block on every stage: this rank's
-        own chunks stand for it)."""
+    def _boundary_layers(self) -> Sequence[Layer]:
+        """Layers whose input stands for the next stage's (a block's output is its input's
+        shape and layout, so every stage receives the same kind of activation): this rank's."""
         return self.chunks[0].layers or next((c.layers for c in self.chunks if c.layers), ())
 
     def _cut(self, what: str, v: Any, M: int) -> list[Any]:
@@ -409,17 +414,16 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     and their gradients add up to its gradient. backend: as Block's."""
     from mpi4py import MPI
 
-    from coconetc.schedule.pipeline import Pipeline as Directive
-    from coconetc.schedule.pipeline import cut, stage_input, stage_name, stage_program, stage_rows
+    from coconetc.schedule.pipeline import cut, directive, stage_input, stage_name, stage_program, stage_rows
     from coconetc.sourcefile import load_file
     from coconetc.paths import source_path
     source = source_path(source)
     sf = load_file(source)
     p = sf.program(program)
-    found = [d for d in sf.schedule(program, schedule).directives if isinstance(d, Directive)]
-    if not found:
+    d = directive(sf.schedule(program, schedule).directives)
+    if d is None:
         raise ValueError(f"from_schedule: schedule {schedule} of {program} has no pipeline(...) directive")
-    c = cut(p, found[0])
+    c = cut(p, d)
     if comm.Get_size() != c.order.ranks:
         raise ValueError(f"from_schedule: schedule {schedule} has stages={c.order.ranks}; comm has "
                          f"{comm.Get_size()} ranks (one rank of each stage)")

@@ -629,16 +629,16 @@ def pipeline_text(mod: SourceFile, program: str, schedule: str, ranks: int, give
     stage's costs), its bubble and each rank's peak activations; CHART: a PNG of it."""
     from coconetc.autodiff.saved import bwd_name, input_name, weight_name
     from coconetc.pipeline import orders
-    from coconetc.schedule.pipeline import Pipeline, cut, stage_name
+    from coconetc.schedule.pipeline import cut, directive, stage_name
     from coconetc.sourcefile import with_grads
     label = parse(schedule)  # a label, as a call takes it: "default" (the program) has no directive
     if label.default or label.name not in mod.schedules.get(program, {}):
         return ""
-    found = [d for d in mod.schedule(program, label.name).directives if isinstance(d, Pipeline)]
-    if not found:
+    d = directive(mod.schedule(program, label.name).directives)
+    if d is None:
         return ""
     p = mod.programs[program]
-    c = cut(p, found[0])
+    c = cut(p, d)
     q = p.param(first)
     if q is None or not q.type.shape or not isinstance(q.type.shape[0], str):
         raise ExplainError(f"explain: {program}'s parameter {first!r} (the batch the first stage reads) "
