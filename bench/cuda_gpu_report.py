@@ -1,4 +1,4 @@
-"""One report of a GPU session (bench/cuda_gpu_session.sh): every step's JSON in DIR merged into
+"""One report of a GPU run (bench/cuda_gpu_session.sh): every step's JSON in DIR merged into
 ONE OUTDIR/gpu_session.json and ONE markdown file OUTDIR/gpu_session.md, which is also printed.
 
 Run: python bench/cuda_gpu_report.py DIR [--out OUTDIR]      (OUTDIR: DIR unless given)
@@ -211,7 +211,7 @@ def _table(name: str, doc: Any, unread: dict[str, str]) -> list[str]:
 def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -> tuple[str, dict]:
     """The markdown (steps, examples, optimizer, the other tables, what was not read) and the
     summary of matches per way."""
-    lines = ["# GPU session (bench/cuda_gpu_session.sh)"]
+    lines = ["# GPU run report (bench/cuda_gpu_session.sh)"]
     if steps:
         lines += ["\n| step | exit | seconds |", "| --- | --- | --- |"]
         lines += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in steps]
