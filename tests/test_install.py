@@ -58,7 +58,7 @@ def test_pip_install_and_check_from_elsewhere(tmp_path: Path) -> None:
     res = _run(coconetc, "run", "adam.ccn", "--ranks", "3", "-s", "zero", "--interp", cwd=work, timeout=120)
     assert "matches the unscheduled program on every rank" in res.stdout
     # the compiled path: templates and C++ runtime headers ship too (build cache inside tmp_path),
-    # built as a user's is, with the default options (the other tests build at -O1: conftest.py)
+    # built as a user's is, with the default options (the other tests build at -O0: conftest.py)
     env = {**{k: v for k, v in os.environ.items() if k != "CXXFLAGS"}, "COCONET_CACHE": str(tmp_path / "cache")}
     res = subprocess.run([coconetc, "run", "adam.ccn", "--ranks", "2", "-s", "zero", "--size", "N=11"],
                          cwd=work, capture_output=True, text=True, timeout=600, env=env)

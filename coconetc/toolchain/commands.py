@@ -301,4 +301,7 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
 
 
 def _emulated_flags(runtime: Path) -> list[str]:
-    return [toolchain().mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", f"-I{runtime}"]
+    """mpicxx's options for the host emulation: -O1, then CXXFLAGS from the environment (as for
+    a CPU module's units; the tests build at -O0)."""
+    return [toolchain().mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", f"-I{runtime}",
+            *shlex.split(os.environ.get("CXXFLAGS", ""))]

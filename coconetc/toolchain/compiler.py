@@ -188,7 +188,7 @@ WAYS: dict[str, Way] = {
 def _emulated_parts(runtime: Path) -> list[str]:
     headers = [f.read_bytes().decode() for f in sorted([*runtime.rglob("*.h"), *runtime.rglob("*.cuh"),
                                                         *(runtime / "coconet").rglob("*.cu")])]
-    return [compiler_hash(), *headers, toolchain().key(), "emulate"]
+    return [compiler_hash(), *headers, toolchain().key(), f"emulate|{os.environ.get('CXXFLAGS', '')}"]
 
 
 def _libs_key(mod: SourceFile, backend: str, libs: Libs) -> str:
