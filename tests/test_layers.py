@@ -16,7 +16,8 @@ PKG = Path(__file__).resolve().parents[1] / "coconetc"
 
 # bottom to top: (layer, its modules as prefixes, what it is)
 LAYERS = [
-    ("base", ("coconetc.version", "coconetc.errors", "coconetc.paths"), "version, diagnostics, data files"),
+    ("base", ("coconetc.version", "coconetc.errors", "coconetc.paths", "coconetc.cache"),
+     "version, diagnostics, data files, the cache's folder and parsed files"),
     ("pipeline", ("coconetc.pipeline",), "pipeline orders: each rank's micro-batch actions, checked, simulated"),
     ("ir", ("coconetc.ir",), "typed IR, operation registry, the language's shared facts"),
     ("frontend", ("coconetc.frontend",), "parse and check .ccn text"),

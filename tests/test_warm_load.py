@@ -86,7 +86,7 @@ def test_warm_load_in_a_fresh_process_imports_no_front_end_or_generator(sgd):
     """A warm load, and a call, in a fresh process import neither the parser (lark) nor the code
     generators (jinja2, coconetc.codegen) nor the rest of the front half: the record holds what
     the calls read; nor ml_dtypes, which only bf16 values need (ir/storage.py)."""
-    warm._python_hash.cache_clear()  # the record under the sources as they are now, as the
+    warm.python_hash.cache_clear()  # the record under the sources as they are now, as the
     warm.compiler_hash.cache_clear()  # fresh process will hash them (they may have been edited since)
     coconetc.load(sgd, log=lambda msg: None)
     res = subprocess.run([sys.executable, "-c", FRESH, str(sgd)], capture_output=True, text=True, timeout=120)
@@ -129,3 +129,61 @@ def test_a_module_no_longer_whole_or_a_bad_record_loads_in_full(sgd, monkeypatch
     mod = coconetc.load(sgd, log=lambda msg: None)
     assert seen == [str(sgd)] * 2
     np.testing.assert_allclose(_step(mod), 1 - 0.5 * np.arange(6, dtype=np.float32))
+
+
+# --- parsed files (coconetc/cache.py) -----------------------------------------------------------
+MAIN = 'from "inner.ccn" import inner\n\nprogram outer(x: f32[N] replicated) {\n    y = inner(x)\n    return y\n}\n'
+INNER = "program inner(x: f32[N] replicated) {\n    y = x * SCALE\n    return y\n}\n"
+
+
+def _parsing(monkeypatch) -> list[str]:
+    """The texts the front end parses from now on."""
+    seen: list[str] = []
+    real = sourcefile.parse
+
+    def counted(text, file="<string>"):
+        seen.append(file)
+        return real(text, file)
+    monkeypatch.setattr(sourcefile, "parse", counted)
+    return seen
+
+
+def test_a_file_parsed_once_loads_from_its_record_until_it_or_an_import_changes(tmp_path, monkeypatch):
+    """The second load of the same text (in any process: the record is a file) parses nothing
+    and gives the same programs and plans; an edit of the file or of a file it imports, or a
+    broken record, parses again; a file that does not check is never remembered (its error is
+    raised every time)."""
+    from coconetc.cache import ENV_CACHE, PARSED, cache_dir
+    from coconetc.errors import CompileError
+    from coconetc.interp.interpreter import run
+    from coconetc.plan.show import show
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))  # records of its own, which it breaks
+    (tmp_path / "inner.ccn").write_text(INNER.replace("SCALE", "2.0"))
+    main = tmp_path / "main.ccn"
+    main.write_text(MAIN)
+    first = sourcefile.load_file(main)
+    seen = _parsing(monkeypatch)
+    again = sourcefile.load_file(main)
+    assert seen == [] and again is not first
+    assert show(again.plans[("outer", "default")]) == show(first.plans[("outer", "default")])
+    x = np.arange(5, dtype=np.float32)
+    assert run(again.program("outer"), [{"x": x}])[0].outputs["y"].tolist() == (2 * x).tolist()
+
+    (tmp_path / "inner.ccn").write_text(INNER.replace("SCALE", "3.0"))  # the import changed
+    edited = sourcefile.load_file(main)
+    assert seen.count(str(main)) == 1 and run(edited.program("outer"), [{"x": x}])[0].outputs["y"].tolist() == (3 * x).tolist()
+    main.write_text(MAIN + "\n")  # the file changed
+    sourcefile.load_file(main)
+    assert seen.count(str(main)) == 2
+    for rec in (cache_dir() / PARSED).glob("*.pickle"):  # broken records: parsed again, and rewritten
+        rec.write_bytes(rec.read_bytes()[:50])
+    assert sourcefile.load_file(main).programs.keys() == first.programs.keys() and seen.count(str(main)) == 3
+    sourcefile.load_file(main)
+    assert seen.count(str(main)) == 3
+
+    bad = tmp_path / "bad.ccn"
+    bad.write_text("program bad(x: f32[N] replicated) {\n    y = nowhere(x)\n    return y\n}\n")
+    for _ in range(2):
+        with pytest.raises(CompileError, match="nowhere"):
+            sourcefile.load_file(bad)
+    assert seen.count(str(bad)) == 2

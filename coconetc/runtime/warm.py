@@ -21,19 +21,17 @@ and writes the record again. A record that cannot be read is ignored the same wa
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coconetc.cache import python_hash
 from coconetc.ir import ops
 from coconetc.runtime.module import Exports
 from coconetc.toolchain import artifacts
 from coconetc.toolchain.probes import cache_dir, compiler_hash, toolchain_fingerprint
-from coconetc.version import __version__
 
 if TYPE_CHECKING:  # (imported on the cold path only)
     from coconetc.sourcefile import SourceFile
@@ -60,22 +58,10 @@ class Record:
         return art.source_file, art.sources
 
 
-@cache
-def _python_hash() -> str:
-    """coconetc's own Python sources (the parser, the checker, the planner and the generators
-    decide what a load makes)."""
-    h = hashlib.sha256(__version__.encode())
-    pkg = Path(__file__).resolve().parent.parent
-    for f in sorted(pkg.rglob("*.py")):
-        h.update(str(f.relative_to(pkg)).encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def key(path: Path, text: str, tuned: str, options: tuple[Any, ...]) -> str:
     """The record's name for FILE (read as TEXT) with TUNED (the autotuner's schedules for it)
     loaded with OPTIONS."""
-    return artifacts.content_key([_python_hash(), compiler_hash(), toolchain_fingerprint(), os.environ.get("CXXFLAGS", ""),
+    return artifacts.content_key([python_hash(), compiler_hash(), toolchain_fingerprint(), os.environ.get("CXXFLAGS", ""),
                                   str(path), str(path.absolute()), text, tuned, repr(options)])
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from coconetc.cache import write_atomic
 from coconetc.toolchain.probes import BuildError
 
 MANIFEST = "manifest.json"
@@ -47,20 +48,6 @@ def content_key(parts: list[str]) -> str:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:16]
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """PATH's contents replaced at once (a temporary file beside it, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o644)  # as an ordinary file (mkstemp makes it private)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _sha256(path: Path) -> str:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from coconetc.cache import ENV_CACHE as ENV_CACHE, cache_dir as cache_dir  # (their home: the toolchain's callers find them here)
 from coconetc.paths import install_command, runtime_dir
 
-ENV_CACHE = "COCONET_CACHE"  # where built modules live (default ~/.cache/coconet)
 ENV_VERBOSE = "COCONET_VERBOSE"  # 1: show cmake's output while building
 ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
 ENV_BUILD_JOBS = "COCONET_BUILD_JOBS"  # parallel jobs of a CUDA build (default 2)
@@ -25,10 +25,6 @@ CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # the modules the 'cpu' 
 
 class BuildError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "coconet")
 
 
 def _platform() -> list[str]:
