@@ -54,9 +54,20 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("coconetc.torch needs PyTorch (pip install torch)") from err
 
+from typing import Any
+
 from coconetc.torch import gpt
 from coconetc.torch.differentiable import Differentiable, function
 from coconetc.torch.module import Module
-from coconetc.torch.optimizer import DistributedOptimizer
 
 __all__ = ["DistributedOptimizer", "Differentiable", "Module", "function", "gpt"]
+
+
+def __getattr__(name: str) -> Any:
+    """DistributedOptimizer imported on first use: its step's torch.compiler.disable imports
+    torch._dynamo, which doubles the import of coconetc.torch (seconds in every rank) for a
+    process that only calls functions."""
+    if name == "DistributedOptimizer":
+        from coconetc.torch.optimizer import DistributedOptimizer
+        return DistributedOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
