@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coconetc.toolchain import probes
-from tests import rank_checks
+import rank_checks
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
