@@ -36,6 +36,9 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert all("interleaved" in m for m in said["chunks"]), log
     assert any("needs target=" in m for m in said["target"]), log
     assert len(said["step"]) == 2 and float(said["step"][0 if "sent" in said["step"][1] else 1][4:]) > 0, log
+    # a batch's shape seen before: each rank's 2 boundaries (an activation, a gradient) known, the
+    # receives posted ahead without headers; the same losses and gradients as the headers' step
+    assert sorted(said["steps"]) == ["0 0 2 0 2 same", "1 0 2 0 2 same"], log
 
 
 def test_a_rank_that_fails_mid_step_ends_the_job(capfd) -> None:
