@@ -115,6 +115,35 @@ def test_an_illegal_pipeline_schedule_is_refused_at_its_place(line: str, at: str
     assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(line)) + 1, 5 + line.index(at)), d
 
 
+@pytest.mark.parametrize("stage", ["y__l3__twice", "y__l9__twice", "y__l3__y"])
+def test_a_users_stage_named_as_a_layers_is_refused_at_its_line(stage: str) -> None:
+    """A stage the program writes itself in the form repeat() gives its layers' stages
+    (`y__l<k>__<stage>`) would be taken for one of layer k's: refused where it is written (a
+    name the other layers lack, a layer past the last, or the last layer's result, which
+    repeat() names `y`)."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    body = f"    y = repeat(blk, x, w1, w2)\n    {stage} = y + y\n    return {stage}\n"
+    src = _schedule("pipeline(stages=2, microbatches=4)").replace("    y = repeat(blk, x, w1, w2)\n    return y\n", body)
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert f"stage '{stage}' is named as repeat() names a stage of layer" in d.message and "rename it" in d.message
+    assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(f"    {stage} =")) + 1, 5), d
+
+
+def test_a_stage_named_as_a_layers_of_no_repeat_is_no_repeat() -> None:
+    """`foo__l0__bar` where the program has no stage foo (a repeat's result) is not a repeat: the
+    directive still finds the program's only one."""
+    from coconetc.schedule.pipeline import cut
+    from coconetc.sourcefile import load_source
+    body = "    y = repeat(blk, x, w1, w2)\n    foo__l0__bar = y + y\n    return foo__l0__bar\n"
+    src = _schedule("pipeline(stages=2, microbatches=4)").replace("    y = repeat(blk, x, w1, w2)\n    return y\n", body)
+    mod = load_source(src)
+    c = cut(mod.programs["model"], mod.schedule("model", "pp").directives[0])
+    assert (c.repeat, c.layers) == ("y", ((0, 2), (2, 4)))
+
+
 # --- proven equal: every order's gradients against the unpipelined derived program's --------------
 DEEP = MODEL.replace("4, H, F", "8, H, F").replace("4, F, H", "8, F, H")
 
