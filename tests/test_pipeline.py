@@ -227,3 +227,43 @@ def test_explain_models_a_pipeline_schedule(tmp_path) -> None:
     assert costs[0].forward > 2 * costs[1].forward  # 3 layers against 1
     bubble = orders.simulate(orders.make("zero_bubble", 2, 4), costs).bubble()
     assert f"bubble {bubble:.3f}" in res.output, (bubble, res.output)
+
+
+def _explain_chart(tmp_path):
+    from click.testing import CliRunner
+
+    from coconetc.cli import main
+    f, png = tmp_path / "model.ccn", tmp_path / "timeline.png"
+    f.write_text(_schedule('pipeline(stages=2, microbatches=4, order="zero_bubble", layers=[3, 1])'))
+    res = CliRunner().invoke(main, ["explain", str(f), "-s", "pp", "-n", "2", "--size", "B=16", "--size", "H=64",
+                                    "--size", "F=256", "--chart", str(png)])
+    return res, png
+
+
+def test_explain_draws_a_pipeline_chart(tmp_path) -> None:
+    """`explain -s PIPELINE --chart PNG`: a row per rank (2 ranks: 0.5 x 2 + 1.2 inches at 120
+    dpi; 6 inches wide, the least), each kind's bars in its colour (F, B and zero bubble's W) on
+    both ranks' rows."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+    import numpy as np
+
+    from coconetc.pipeline.orders import COLORS
+    res, png = _explain_chart(tmp_path)
+    assert res.exit_code == 0, res.output
+    assert f"chart: {png}" in res.output, res.output
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[:2] == (264, 720), img.shape
+    for kind in "FBW":
+        rgb = np.array([int(COLORS[kind][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+        rows = np.nonzero((np.abs(img[:, :, :3] - rgb).max(axis=2) < 0.01).sum(axis=1) > 5)[0]
+        assert len(rows) > 20 and rows.max() - rows.min() > 60, (kind, rows)  # bars on the rows of both ranks
+
+
+def test_explain_without_matplotlib_says_what_to_install(tmp_path, monkeypatch) -> None:
+    """With no matplotlib, --chart is refused with what to install, and no file is written."""
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    res, png = _explain_chart(tmp_path)
+    assert res.exit_code != 0 and "chart needs matplotlib: pip install matplotlib" in res.output, res.output
+    assert not png.exists()
