@@ -35,9 +35,13 @@ Per (P, M, order):
     alive) x the bytes of the tensors autograd saves in one micro-batch's forward of the stage
     (saved_tensors_hooks, each storage once). The largest over the ranks is shown.
 
+With --old-receives, coconet's step is timed a second time in each round with the receives of
+its first step: a header before each message and a blocking receive where the action needs it,
+none posted ahead ("old ms"; "old/new": its median over the default's).
+
 Run: python bench/pipeline.py [--layers 8] [--hidden 256] [--heads 4] [--seq 128] [--batch 8]
      [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble]
-     [--reps 5] [--json PATH]
+     [--reps 5] [--json PATH] [--old-receives]
 It relaunches itself on max(--stages) ranks under mpiexec (the ranks past a pipeline's P wait
 at the barriers); rank 0 prints the table (and with --json writes every number)."""
 
@@ -368,11 +372,13 @@ class Case:
                 err = f"{type(e).__name__}: {e}"
         self.torch_err = next((e for e in world.allgather(err) if e), "")
 
-    def coconet_step(self, idx: Any, tgt: Any) -> tuple[float, float | None, list[tuple]]:
-        """(seconds, loss on the last stage's rank, this rank's events) of one step."""
+    def coconet_step(self, idx: Any, tgt: Any, ahead: bool = True) -> tuple[float, float | None, list[tuple]]:
+        """(seconds, loss on the last stage's rank, this rank's events) of one step; AHEAD:
+        False for the headers and blocking receives of a first step (--old-receives)."""
         if not self.inside:
             barrier(self.world, False)
             return 0.0, None, []
+        self.pipe._ahead = ahead
         for p in self.cparams:
             p.grad = None
         r, last = self.sub.Get_rank(), (self.P * self.pipe.order.chunks - 1) % self.P
@@ -405,6 +411,7 @@ class Case:
         world = self.world
         ct: list[float] = []
         tt: list[float] = []
+        ot: list[float] = []
         events: list[list[list[tuple]]] = []  # per timed step, per rank
         losses = (0.0, 0.0)
         gc.collect()  # the previous case's garbage collected now, not inside a timed step
@@ -415,6 +422,8 @@ class Case:
             got = world.gather(evs, root=0)
             if rep > 0 and world.Get_rank() == 0:
                 events.append(got[:self.P])
+            if self.a.old_receives:
+                ot.append(world.allreduce(self.coconet_step(idx, tgt, ahead=False)[0], op=MPI.MAX))
             tl = None
             if not self.torch_err:
                 dt, tl, err = self.torch_step(idx, tgt)
@@ -429,7 +438,11 @@ class Case:
                                  "tname": tp["name"] if tp else None, "tnote": tp["note"] if tp else ""}, root=0)
         if world.Get_rank() != 0:
             return None
-        return self.summary(ct[1:], tt[1:] if not self.torch_err else [], losses, events, per_rank[:self.P])
+        res = self.summary(ct[1:], tt[1:] if not self.torch_err else [], losses, events, per_rank[:self.P])
+        if ot:
+            res.update({"coconet_old_s": statistics.median(ot[1:]), "coconet_old_times_s": ot[1:]})
+            res["old_over_new"] = res["coconet_old_s"] / res["coconet_s"]
+        return res
 
     def summary(self, ct: list[float], tt: list[float], losses: tuple[float, float], events: list[Any],
                 per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -541,6 +554,8 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, meta: dict[str,
           "times; peak: the most micro-batches held by a rank x one micro-batch's saved bytes (max over ranks)")
     head = (f"{'P':>2s} {'M':>2s} {'order':11s} {'coconet ms':>10s} {'torch ms':>9s} {'torch/cc':>8s} "
             f"{'bubble':>7s} {'pred':>6s} {'pred/st':>7s} {'cc peak':>7s} {'cc MB':>7s} {'th peak':>7s} {'th MB':>7s}  torch schedule")
+    if a.old_receives:
+        head = head.replace(" torch ms", f" {'old ms':>8s} {'old/new':>7s} torch ms")
     print(head)
     for r in results:
         tms = f"{r['torch_s'] * 1e3:9.1f}" if r.get("torch_s") else f"{'-':>9s}"
@@ -550,7 +565,8 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, meta: dict[str,
         sched = r["torch_schedule"] or "-"
         if r.get("torch_error") and not r.get("torch_s"):
             sched += " (not run: see the notes)"
-        print(f"{r['P']:2d} {r['M']:2d} {r['order']:11s} {r['coconet_s'] * 1e3:10.1f} {tms} {ratio} "
+        old = f" {r['coconet_old_s'] * 1e3:8.1f} {r['old_over_new']:7.2f}" if "coconet_old_s" in r else ""
+        print(f"{r['P']:2d} {r['M']:2d} {r['order']:11s} {r['coconet_s'] * 1e3:10.1f}{old} {tms} {ratio} "
               f"{r['bubble_measured']:7.3f} {r['bubble_predicted']:6.3f} {r['bubble_predicted_per_stage']:7.3f} "
               f"{r['coconet_peak_microbatches_max']:7d} "
               f"{r['coconet_peak_bytes'] / 2**20:7.2f} {tpk} {tmb}  {sched}")
@@ -577,6 +593,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--no-torch", action="store_true", help="coconet's pipeline only")
+    ap.add_argument("--old-receives", action="store_true",
+                    help="time coconet's step with a header and a blocking receive a message too")
     a = ap.parse_args()
     check_args(a)
     ranks = max(a.stages)

@@ -2,7 +2,11 @@
 fails mid-step, on 2 ranks (one layer of examples/gpt_block.ccn a stage).
 
     refusals  each bad input raises on every rank, before any message between the stages, and
-              the pipeline still runs a good step after them: prints `CASE ok: MESSAGE` a case
+              the pipeline still runs a good step after them: prints `CASE ok: MESSAGE` a case;
+              then steps with batches of 8, 8, 4 and 8 rows: the boundaries' shapes known at each
+              step's start (none the first time a batch's shape is seen: headers go; then the
+              receives are posted ahead), and whether the repeated batches' losses and gradients
+              equal the first's bit for bit (`steps RANK KNOWN... same|DIFFER`)
     dies      rank 1's loss raises in the middle of a step (rank 0 waits for its gradient)
     schedule [BACKEND]  tests/programs/pipeline_model.ccn's pipeline schedule through from_schedule
               (on the CPU backend, or "cuda": run under COCONET_CUDA_EMULATE=1, the emulation): each
@@ -92,8 +96,19 @@ def main() -> None:
             print(f"{name} ok: {err}", flush=True)
         else:
             print(f"{name} NOT REFUSED", flush=True)
-    loss = Pipeline([chunk], "zero_bubble", microbatches=4, comm=comm, loss_fn=mse).step(x, t)
-    print(f"step ok: {loss if rank == 1 else 'sent'}", flush=True)
+    pipe = Pipeline([chunk], "zero_bubble", microbatches=4, comm=comm, loss_fn=mse)
+    runs, known = [], []
+    for rows in (8, 8, 4, 8):
+        for w in chunk.layers[0].params.values():
+            w.grad = None
+        loss = pipe.step(x[:rows], t[:rows])
+        known.append(len(pipe._known))
+        runs.append((rows, loss, [w.grad.clone() for w in chunk.layers[0].params.values()]))
+        if len(runs) == 1:
+            print(f"step ok: {loss if rank == 1 else 'sent'}", flush=True)
+    same = all(a[1] == b[1] and all(torch.equal(g, h) for g, h in zip(a[2], b[2]))
+               for a, b in ((runs[0], runs[1]), (runs[0], runs[3])))
+    print(f"steps {rank} {' '.join(map(str, known))} {'same' if same else 'DIFFER'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert all("interleaved" in m for m in said["chunks"]), log
     assert any("needs target=" in m for m in said["target"]), log
     assert len(said["step"]) == 2 and float(said["step"][0 if "sent" in said["step"][1] else 1][4:]) > 0, log
+    # a batch's shape seen before: each rank's 2 boundaries (an activation, a gradient) known, the
+    # receives posted ahead without headers; the same losses and gradients as the headers' step
+    assert sorted(said["steps"]) == ["0 0 2 0 2 same", "1 0 2 0 2 same"], log
 
 
 def test_a_rank_that_fails_mid_step_ends_the_job(capfd) -> None:
@@ -110,6 +113,35 @@ def test_an_illegal_pipeline_schedule_is_refused_at_its_place(line: str, at: str
     d = err.value.diagnostics[0]
     assert says in d.message, d.message
     assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(line)) + 1, 5 + line.index(at)), d
+
+
+@pytest.mark.parametrize("stage", ["y__l3__twice", "y__l9__twice", "y__l3__y"])
+def test_a_users_stage_named_as_a_layers_is_refused_at_its_line(stage: str) -> None:
+    """A stage the program writes itself in the form repeat() gives its layers' stages
+    (`y__l<k>__<stage>`) would be taken for one of layer k's: refused where it is written (a
+    name the other layers lack, a layer past the last, or the last layer's result, which
+    repeat() names `y`)."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    body = f"    y = repeat(blk, x, w1, w2)\n    {stage} = y + y\n    return {stage}\n"
+    src = _schedule("pipeline(stages=2, microbatches=4)").replace("    y = repeat(blk, x, w1, w2)\n    return y\n", body)
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert f"stage '{stage}' is named as repeat() names a stage of layer" in d.message and "rename it" in d.message
+    assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(f"    {stage} =")) + 1, 5), d
+
+
+def test_a_stage_named_as_a_layers_of_no_repeat_is_no_repeat() -> None:
+    """`foo__l0__bar` where the program has no stage foo (a repeat's result) is not a repeat: the
+    directive still finds the program's only one."""
+    from coconetc.schedule.pipeline import cut
+    from coconetc.sourcefile import load_source
+    body = "    y = repeat(blk, x, w1, w2)\n    foo__l0__bar = y + y\n    return foo__l0__bar\n"
+    src = _schedule("pipeline(stages=2, microbatches=4)").replace("    y = repeat(blk, x, w1, w2)\n    return y\n", body)
+    mod = load_source(src)
+    c = cut(mod.programs["model"], mod.schedule("model", "pp").directives[0])
+    assert (c.repeat, c.layers) == ("y", ((0, 2), (2, 4)))
 
 
 # --- proven equal: every order's gradients against the unpipelined derived program's --------------
@@ -195,3 +227,43 @@ def test_explain_models_a_pipeline_schedule(tmp_path) -> None:
     assert costs[0].forward > 2 * costs[1].forward  # 3 layers against 1
     bubble = orders.simulate(orders.make("zero_bubble", 2, 4), costs).bubble()
     assert f"bubble {bubble:.3f}" in res.output, (bubble, res.output)
+
+
+def _explain_chart(tmp_path):
+    from click.testing import CliRunner
+
+    from coconetc.cli import main
+    f, png = tmp_path / "model.ccn", tmp_path / "timeline.png"
+    f.write_text(_schedule('pipeline(stages=2, microbatches=4, order="zero_bubble", layers=[3, 1])'))
+    res = CliRunner().invoke(main, ["explain", str(f), "-s", "pp", "-n", "2", "--size", "B=16", "--size", "H=64",
+                                    "--size", "F=256", "--chart", str(png)])
+    return res, png
+
+
+def test_explain_draws_a_pipeline_chart(tmp_path) -> None:
+    """`explain -s PIPELINE --chart PNG`: a row per rank (2 ranks: 0.5 x 2 + 1.2 inches at 120
+    dpi; 6 inches wide, the least), each kind's bars in its colour (F, B and zero bubble's W) on
+    both ranks' rows."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+    import numpy as np
+
+    from coconetc.pipeline.orders import COLORS
+    res, png = _explain_chart(tmp_path)
+    assert res.exit_code == 0, res.output
+    assert f"chart: {png}" in res.output, res.output
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[:2] == (264, 720), img.shape
+    for kind in "FBW":
+        rgb = np.array([int(COLORS[kind][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+        rows = np.nonzero((np.abs(img[:, :, :3] - rgb).max(axis=2) < 0.01).sum(axis=1) > 5)[0]
+        assert len(rows) > 20 and rows.max() - rows.min() > 60, (kind, rows)  # bars on the rows of both ranks
+
+
+def test_explain_without_matplotlib_says_what_to_install(tmp_path, monkeypatch) -> None:
+    """With no matplotlib, --chart is refused with what to install, and no file is written."""
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    res, png = _explain_chart(tmp_path)
+    assert res.exit_code != 0 and "chart needs matplotlib: pip install matplotlib" in res.output, res.output
+    assert not png.exists()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from coconetc.errors import CompileError, Span
 from coconetc.ir.expr import Expr, Op, Ref, refs, walk
-from coconetc.ir.layers import layer_ranges, repeats
+from coconetc.ir.layers import layer_ranges, repeats, stray
 from coconetc.ir.nodes import Param, Program
 from coconetc.pipeline import orders
 
@@ -74,6 +74,12 @@ class Cut:
 def cut(p: Program, d: Pipeline) -> Cut:
     """D checked against p; raises CompileError at the argument that is wrong."""
     name = repeat_of(p, d)
+    bad = stray(p, name)
+    if bad is not None:
+        raise CompileError.at(bad[0].span, f"pipeline(): stage '{bad[0].name}' is named as repeat() names a stage "
+                              f"of layer {bad[1]} of {name} ({name}__l<layer>__<stage>), but it is not one (the "
+                              "other layers have no such stage, or it stands apart from its layer's stages): the "
+                              "layers are found by these names; rename it")
     n = len(layer_ranges(p, name))
     virtual = d.stages * d.chunks
     if virtual > n:

@@ -21,8 +21,10 @@ Between stages each rank sends to the same rank of the next stage's tensor-paral
 replicated across the group (tensor parallelism without sequence parallelism) each rank sends
 only its slice of the activation along the sequence and the receiving group all-gathers it
 (the CoCoNet paper's pipeline optimization); a sequence-parallel block's input is sliced
-already and is sent as it is. Sends do not block (the rank goes on with its next action);
-a receive waits where its value is used.
+already and is sent as it is. Sends do not block (the rank goes on with its next action).
+Receives are posted ahead (Irecv into buffers of the shapes a previous step with a batch of
+this shape sent; the first such step sends a header with each message) and waited for where
+their value is used; between layers the rank lets MPI move the messages in flight.
 
 The loss of each micro-batch is divided by the number of micro-batches, so the gradients are
 those of the batch's mean loss, as one process computes them."""
@@ -46,6 +48,7 @@ F, B, W = "F", "B", "W"
 _HEADER = 10  # int64s: the dtype's index in _DTYPES, ndim, then up to 8 dims
 _DTYPES = (np.float32, np.float64, np.float16)
 _KINDS = {F: 0, B: 1}
+_AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the one waited for
 
 
 class Block:
@@ -220,7 +223,22 @@ class Pipeline:
         self.rows: dict[tuple[int, str], tuple[int, int]] = {}  # the rows of a stacked one it took
         tp = 1 if tp_comm is None else tp_comm.Get_size()
         self._tp_sizes = comm.allgather(tp)
-        self.order = self._agree(lambda: self._checked(order))
+        self.order, _ = self._agree(lambda: self._checked(order))
+        # (dtype, shape) of each boundary's message, (kind, virtual stage) -> it, by the shape and
+        # dtype of the batch's micro-batches (the first stage's): the receives of a step with a
+        # batch seen before are posted ahead, without headers
+        self._shapes: dict[tuple, dict[tuple[str, int], tuple[Any, tuple[int, ...]]]] = {}
+        # False: a header before every message, blocking receives, no progress between the layers:
+        # the receives as they were before they were posted ahead (every rank alike; to measure)
+        self._ahead = True
+        # a step's messages: sends in flight and their buffers, the boundaries' shapes known at
+        # its start and those seen in it, the receives not posted yet and those posted
+        self._pending: list[Any] = []
+        self._keep: list[np.ndarray] = []
+        self._known: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
+        self._seen: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
+        self._todo: dict[str, list[tuple[str, int, int, int]]] = {}
+        self._posted: dict[tuple[str, int, int], tuple[Any, np.ndarray]] = {}
 
     def _checked(self, order: str | _orders.Order) -> _orders.Order:
         M, V = self.microbatches, len(self.chunks)
@@ -253,31 +271,39 @@ class Pipeline:
                              "a group of the same size")
         return got
 
-    def _agree(self, what: Callable[[], Any]) -> Any:
+    def _agree(self, what: Callable[[], Any], tell: Callable[[Any], Any] = lambda v: None) -> tuple[Any, list[Any]]:
         """WHAT's value, or its error raised on every rank of the pipeline (each rank's first,
-        naming the rank), before any of them communicates further. WHAT must not communicate
-        (a rank that raised would skip its collectives)."""
+        naming the rank), before any of them communicates further; and every rank's TELL(value)
+        (small, picklable), by rank. WHAT must not communicate (a rank that raised would skip its
+        collectives)."""
         try:
             value, err = what(), None
+            told = tell(value)
         except (ValueError, TypeError) as e:
-            value, err = None, e
-        said = self.comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
-        bad = [(r, m) for r, m in enumerate(said) if m is not None]
+            value, err, told = None, e, None
+        said = self.comm.allgather((None if err is None else f"{type(err).__name__}: {err}", told))
+        bad = [(r, m) for r, (m, _) in enumerate(said) if m is not None]
         if bad:
             if err is not None:
                 raise err
             r, m = bad[0]
             raise ValueError(f"Pipeline: rank {r} refused: {m}")
-        return value
+        return value, [t for _, t in said]
 
     # --- messages between stages -----------------------------------------------------------
+    # A message's shape and dtype go ahead of it in a header the first time its boundary is
+    # crossed with a batch of this shape (the receiver cannot know what pre= makes of it); from
+    # then on both sides know them (_shapes, keyed by the batch's micro-batch shape, which every
+    # rank learns in step()'s agreement), so only the data goes, into a buffer the receiver
+    # posted (Irecv) ahead of the action that reads it, and waits for there.
     def _tag(self, kind: str, m: int, stage: int) -> int:
         return ((_KINDS[kind] * 1024 + m) * 256 + stage) * 2
 
     def _sliced(self, layers: Sequence[Layer]) -> bool:
         return bool(self.tp_comm is not None and self.tp_comm.Get_size() > 1 and layers and layers[0].block.replicated)
 
-    def _send(self, t: torch.Tensor, to: int, tag: int, sliced: bool) -> None:
+    def _send(self, t: torch.Tensor, to: int, kind: str, m: int, stage: int, sliced: bool) -> None:
+        """T to rank TO, the (KIND, M)'s message for virtual stage STAGE."""
         if sliced:  # this rank's rows of the sequence (dim 1): the receiving group gathers them
             r, n = self.tp_comm.Get_rank(), self.tp_comm.Get_size()
             t = torch.tensor_split(t, n, dim=1)[r]
@@ -285,22 +311,77 @@ class Pipeline:
         if a.dtype.type not in _DTYPES or a.ndim > _HEADER - 2:
             raise TypeError(f"Pipeline: a stage sends a {a.ndim}-d {t.dtype} tensor; between stages go float32, "
                             "float64 or float16 tensors of at most 8 dims")
-        head = np.zeros(_HEADER, np.int64)
-        head[:2] = _DTYPES.index(a.dtype.type), a.ndim
-        head[2:2 + a.ndim] = a.shape
-        self._pending.append(self.comm.Isend(head, dest=to, tag=tag))
+        tag, was = self._tag(kind, m, stage), self._known.get((kind, stage))
+        if was is None:
+            head = np.zeros(_HEADER, np.int64)
+            head[:2] = _DTYPES.index(a.dtype.type), a.ndim
+            head[2:2 + a.ndim] = a.shape
+            self._pending.append(self.comm.Isend(head, dest=to, tag=tag))
+            self._keep.append(head)
+            self._seen[(kind, stage)] = (a.dtype.type, a.shape)
+        elif was != (a.dtype.type, a.shape):
+            raise ValueError(f"Pipeline: virtual stage {stage}'s {'activation' if kind == F else 'gradient'} of "
+                             f"micro-batch {m} is a {a.dtype} tensor of shape {list(a.shape)}; an earlier step "
+                             f"with a batch of this shape sent {np.dtype(was[0])} of shape {list(was[1])} (the "
+                             "messages between stages must follow from the batch's shape)")
         self._pending.append(self.comm.Isend(a, dest=to, tag=tag + 1))
-        self._keep.append((head, a))
+        self._keep.append(a)
 
-    def _recv(self, frm: int, tag: int, sliced: bool) -> torch.Tensor:
-        head = np.empty(_HEADER, np.int64)
-        self.comm.Recv(head, source=frm, tag=tag)
-        a = np.empty(tuple(int(d) for d in head[2:2 + head[1]]), dtype=_DTYPES[head[0]])
-        self.comm.Recv(a, source=frm, tag=tag + 1)
+    def _receives(self) -> dict[str, list[tuple[str, int, int, int]]]:
+        """This rank's receives in its order of actions, by kind: (kind, micro-batch, virtual
+        stage, from rank)."""
+        order = self.order
+        out: dict[str, list[tuple[str, int, int, int]]] = {F: [], B: []}
+        for act in order.actions[self.rank]:
+            stage = order.stage(self.rank, act.chunk)
+            if act.kind == F and stage > 0:
+                out[F].append((F, act.microbatch, stage, order.place(stage - 1)[0]))
+            elif act.kind == B and stage < order.stages - 1:
+                out[B].append((B, act.microbatch, stage, order.place(stage + 1)[0]))
+        return out
+
+    def _post(self, kind: str) -> None:
+        """Post the next _AHEAD receives of KIND whose shape is known (Irecv into a new buffer)."""
+        todo = self._todo[kind]
+        while todo and sum(k[0] == kind for k in self._posted) < _AHEAD:
+            key = todo[0]
+            known = self._known.get((kind, key[2]))
+            if known is None:
+                return
+            todo.pop(0)
+            buf = np.empty(known[1], known[0])
+            self._posted[key[:3]] = (self.comm.Irecv(buf, source=key[3], tag=self._tag(*key[:3]) + 1), buf)
+
+    def _recv(self, kind: str, m: int, stage: int, frm: int, sliced: bool) -> torch.Tensor:
+        """The (KIND, M)'s message for virtual stage STAGE from rank FRM, waited for here (the
+        next receive of its kind posted first)."""
+        posted = self._posted.pop((kind, m, stage), None)
+        if posted is None:  # not posted (its shape not known yet): the first not posted
+            self._todo[kind].pop(0)
+        self._post(kind)
+        if posted is not None:
+            posted[0].Wait()
+            a = posted[1]
+        else:
+            tag = self._tag(kind, m, stage)
+            head = np.empty(_HEADER, np.int64)
+            self.comm.Recv(head, source=frm, tag=tag)
+            a = np.empty(tuple(int(d) for d in head[2:2 + head[1]]), dtype=_DTYPES[head[0]])
+            self.comm.Recv(a, source=frm, tag=tag + 1)
+            self._seen[(kind, stage)] = (a.dtype.type, a.shape)
         if sliced:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
         return torch.from_numpy(a).to(self._device)
+
+    def _progress(self) -> None:
+        """Let MPI move the messages in flight (it moves them only inside its calls): between
+        the layers of an action, so a transfer goes on while the rank computes."""
+        from mpi4py import MPI
+        reqs = self._pending + [r for r, _ in self._posted.values()]
+        if reqs and self._ahead:
+            MPI.Request.Testall(reqs)
+            self._pending = [r for r in self._pending if r]
 
     # --- the step -------------------------------------------------------------------------------
     def step(self, x: Any = None, target: Any = None) -> float | None:
@@ -312,10 +393,16 @@ class Pipeline:
         from mpi4py import MPI
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
-        self._xs, self._ts = self._agree(lambda: (self._cut("x", x, M) if self.rank == first else [],
-                                                  self._cut("target", target, M) if self.rank == last else []))
-        self._pending: list[Any] = []
-        self._keep: list[Any] = []
+        (self._xs, self._ts), told = self._agree(
+            lambda: (self._cut("x", x, M) if self.rank == first else [],
+                     self._cut("target", target, M) if self.rank == last else []),
+            lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
+        batch = told[first]
+        self._known = self._shapes.get(batch, {}) if self._ahead else {}
+        self._seen, self._pending, self._keep, self._posted = {}, [], [], {}
+        self._todo = self._receives()
+        self._post(F)
+        self._post(B)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> what its backward starts from
         self._losses: list[float] = []
@@ -331,8 +418,10 @@ class Pipeline:
                 for layer in self.chunks[act.chunk].layers:
                     layer.weight(act.microbatch)
             self.events.append(Event(act.kind, act.microbatch, act.chunk, start, time.perf_counter() - t0))
+            self._progress()
         MPI.Request.Waitall(self._pending)
         self._pending, self._keep = [], []
+        self._shapes[batch] = {**self._known, **self._seen}
         return sum(self._losses) / M if self.rank == last else None
 
     def _forward(self, act: _orders.Action) -> None:
@@ -346,12 +435,13 @@ class Pipeline:
                 h = h.detach()
         else:
             prev = order.place(stage - 1)[0]
-            h = self._recv(prev, self._tag(F, act.microbatch, stage), self._sliced(chunk.layers))
+            h = self._recv(F, act.microbatch, stage, prev, self._sliced(chunk.layers))
         for layer in chunk.layers:
             h = layer.forward(act.microbatch, h)
+            self._progress()
         if stage < order.stages - 1:
             nxt = order.place(stage + 1)[0]
-            self._send(h, nxt, self._tag(F, act.microbatch, stage + 1), self._sliced(self._boundary_layers()))
+            self._send(h, nxt, F, act.microbatch, stage + 1, self._sliced(self._boundary_layers()))
             return
         leaf = h.detach().requires_grad_(True)
         out = chunk.post(leaf) if chunk.post is not None else leaf
@@ -371,13 +461,14 @@ class Pipeline:
             g = leaf.grad
         else:
             nxt = order.place(stage + 1)[0]
-            g = self._recv(nxt, self._tag(B, act.microbatch, stage), self._sliced(self._boundary_layers()))
+            g = self._recv(B, act.microbatch, stage, nxt, self._sliced(self._boundary_layers()))
         assert g is not None
         for layer in reversed(chunk.layers):
             g = layer.backward(act.microbatch, g, order.split_backward)
+            self._progress()
         if stage > 0:
             prev = order.place(stage - 1)[0]
-            self._send(g, prev, self._tag(B, act.microbatch, stage - 1), self._sliced(chunk.layers))
+            self._send(g, prev, B, act.microbatch, stage - 1, self._sliced(chunk.layers))
         elif key in self._outputs:  # the torch part before the first layer
             self._outputs.pop(key).backward(g)
 
