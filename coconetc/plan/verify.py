@@ -151,8 +151,9 @@ class _Verifier:
 
     def gather_matmul(self, u: GatherMatmul) -> None:
         self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
-        if self.type(u.a).layout.sliced or u.dim >= self.type(u.a).ndim - 1:
-            self.fail(f"overlap {u.a} -> {u.consumer}: chunks along dim {u.dim} of {self.type(u.a)}")
+        g = self.type(u.gather.dst)
+        if g.layout.sliced or u.dim >= g.ndim - 1 or (u.right and (u.dim != 0 or g.ndim != 2)):
+            self.fail(f"overlap {u.gather.dst} -> {u.consumer}: chunks along dim {u.dim} of {g}")
         self.write([u.consumer])
 
     def overlap(self, u: Overlap) -> None:
