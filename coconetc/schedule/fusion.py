@@ -409,7 +409,13 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
     other than the one an allgather gathers, or, when that is dim 0, pieces of every rank's
     slice of dim 0 (chunk i: piece i of each rank's rows). An allgather of a fusion (a fused
     reduce-scatter's) feeds the matmul chunk for chunk with the fused collective's own overlap
-    (plan/planner.py)."""
+    (plan/planner.py).
+
+    Or g is the consumer's RIGHT operand, a weight gathered where it is used (FSDP, ZeRO-3):
+    before:  wg = allgather(w)    y = matmul(x, wg)
+    after:   wg is gathered in 4 blocks of its rows (the contracted dim), y = the sum over the
+             blocks r of x[..., r] wg[r, :], each added as soon as block r has arrived
+             (_check_weight: dim 0 only; a matmul_nt writes y's columns r)."""
     cons = p.stage(d.consumer)
     if cons is None or not (isinstance(cons.expr, Op) and ops.has(cons.expr.op, ops.OVERLAPPED)):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
@@ -423,7 +429,7 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
                             f"'{d.consumer}' does not read it as an operand")
     if b.type.ndim > 2:
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
-                            "a batched matmul (a batched right operand) cannot be overlapped yet")
+                            "a batched matmul (a batched right operand) cannot be overlapped yet: remove this overlap")
     if p.fusion_of(cons.name) is not None:
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the matmul is fused")
     for o in p.overlaps:
