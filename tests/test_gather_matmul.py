@@ -10,7 +10,10 @@ reads, each chunk multiplied as soon as it has arrived while the next is in flig
   too), compiled for the CPU on 2 and 3 ranks (uneven slices; tiny sizes with empty chunks and a
   rank holding nothing) and as CUDA under the host emulation, against the interpreter; the CUDA
   module compiled and linked by nvcc;
-- a batched matmul as the producer of an overlap (the usual way): chunks of whole batches."""
+- a batched matmul as the producer of an overlap (the usual way): chunks of whole batches;
+- a weight sliced over the ranks and gathered where it is used (FSDP: the matmul's right
+  operand), cut along its rows; its derived program's weight gradient (matmul_tn) overlapped
+  with its reduce-scatter."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["d
             "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"], "fed": ["default", "both"],
             "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"],
             "fsdp": ["default", "pieces"], "fsdp_grad": ["default", "both"], "fsdp_cols": ["default", "rows"],
-            "fsdp_cols_grad": ["default", "both"]}
+            "fsdp_cols_grad": ["default", "both"], "bcw": ["default", "rows"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
     3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
@@ -71,14 +74,18 @@ def test_the_plan_shows_how_each_gather_is_cut():
                                 "x[..., rows of the chunk] x the chunk's rows of wg (the first chunk writes it); wg is "
                                 "whole only after chunk 2",
             ("fsdp_cols", "rows"): "overlap wg = allgather(w) in 3 chunks along dim 0 (rows in place) -> y = matmul(x, wg)",
+            ("bcw", "rows"): "overlap wg = broadcast(w, root=1) in 3 chunks along dim 0 (rows in place) -> y = matmul(x, wg)",
             ("fsdp_grad", "both"): "per chunk: the chunk's columns of d_x = d_y x (the chunk's rows of wg)^T; wg is "
                                    "whole only after chunk 2",
             ("fsdp_cols_grad", "both"): "overlap g_wg_part = matmul_tn(x, d_y) in 2 chunks along dim 0 (rows in place) "
                                         "-> d_w = reducescatter(sum, g_wg_part) per chunk"}
+    from coconetc.plan.show import show as show_plan
+    mod = load_file(FILE)  # (the derived programs too: the file schedules them)
     for (prog, sched), text in want.items():
-        grad = ["-p", prog.removesuffix("_grad"), "--grad"] if prog.endswith("_grad") else ["-p", prog]
-        res = _cli("show", str(FILE), *grad, "-s", sched, "--format", "plan")
-        assert res.returncode == 0 and text in res.stdout, res.stdout + res.stderr
+        got = show_plan(mod.plans[(prog, sched)])
+        assert text in got, got
+    res = _cli("show", str(FILE), "-p", "fsdp", "--grad", "-s", "both", "--format", "plan")  # as a user asks
+    assert res.returncode == 0 and want[("fsdp_grad", "both")] in res.stdout, res.stdout + res.stderr
 
 
 BAD = """
