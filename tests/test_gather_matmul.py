@@ -41,7 +41,7 @@ PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["d
             "bc": ["default", "rows"], "spmlp": ["default", "both"], "spmlp_grad": ["default", "both"],
             "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"], "fed": ["default", "both"],
             "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"],
-            "fsdp": ["default", "pieces"], "fsdp_grad": ["default", "both"], "fsdp_cols": ["default", "rows"],
+            "fsdp": ["default", "pieces", "cols"], "fsdp_grad": ["default", "both", "cols"], "fsdp_cols": ["default", "rows"],
             "fsdp_cols_grad": ["default", "both"], "bcw": ["default", "rows"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
@@ -71,8 +71,13 @@ def test_the_plan_shows_how_each_gather_is_cut():
                                "y = allreduce(sum, s) per chunk",
             ("fsdp", "pieces"): "overlap wg = allgather(w) in 2 chunks along dim 0 (piece i of every rank's slice, in "
                                 "place) -> y = matmul(x, wg) per chunk, as it arrives\n          per chunk: y += "
-                                "x[..., rows of the chunk] x the chunk's rows of wg (the first chunk writes it); wg is "
-                                "whole only after chunk 2",
+                                "x[..., the chunk's columns] x (the chunk's rows of wg) (the first chunk writes it); wg "
+                                "is whole only after chunk 2",
+            ("fsdp", "cols"): "overlap wg = allgather(w) in 2 chunks along dim 1 (each chunk packed) -> y = matmul(x, wg) "
+                              "per chunk, as it arrives\n          per chunk: the chunk's columns of y = x x (the chunk's "
+                              "columns of wg); wg is whole only after chunk 2",
+            ("fsdp_grad", "cols"): "per chunk: d_x += d_y[..., the chunk's columns] x (the chunk's columns of wg)^T (the "
+                                   "first chunk writes it); wg is whole only after chunk 3",
             ("fsdp_cols", "rows"): "overlap wg = allgather(w) in 3 chunks along dim 0 (rows in place) -> y = matmul(x, wg)",
             ("bcw", "rows"): "overlap wg = broadcast(w, root=1) in 3 chunks along dim 0 (rows in place) -> y = matmul(x, wg)",
             ("fsdp_grad", "both"): "per chunk: the chunk's columns of d_x = d_y x (the chunk's rows of wg)^T; wg is "
@@ -115,7 +120,7 @@ def test_bad_overlaps_are_located_errors(directive, where, message):
 
 
 WEIGHTS = """
-program q(x: f32[T, K] sliced(0), w: f32[K, N] sliced(0), v: f32[G, K, N] sliced(1), u: f32[N, T] replicated) {
+program q(x: f32[T, K] sliced(0), w: f32[K, N] sliced(1), v: f32[G, K, N] sliced(1), u: f32[N, T] replicated) {
     wg = allgather(w)
     y = matmul(x, wg)
     vg = allgather(v)
@@ -128,21 +133,22 @@ program q(x: f32[T, K] sliced(0), w: f32[K, N] sliced(0), v: f32[G, K, N] sliced
 
 
 @pytest.mark.parametrize("directive, where, message, good", [
-    ("overlap(wg, y, chunks=2, dim=1)", "1)", "cannot chunk 'wg' along dim 1: a gathered right operand is cut along "
-     "its rows (dim 0: the contracted dim), each chunk multiplied as it arrives: overlap(wg, y, chunks=2)",
-     "overlap(wg, y, chunks=2)"),
+    ("overlap(wg, y, chunks=2, dim=1)", "1)", "cannot chunk 'wg' along dim 1 (the dim it gathers, other than 0): a "
+     "gathered right operand is cut along its rows (dim 0), each chunk multiplied as it arrives: "
+     "overlap(wg, y, chunks=2)", "overlap(wg, y, chunks=2)"),
     ("overlap(vg, z, chunks=2)", "z", "a batched matmul (a batched right operand) cannot be overlapped yet: remove "
      "this overlap", None),
     ("overlap(wg, e, chunks=2)", "e", "'e' does not read it as an operand", None),
 ])
 def test_a_gathered_weight_is_cut_along_its_rows_only(directive, where, message, good):
-    """A weight gathered where it is used (the matmul's right operand: FSDP) is cut along its
-    rows only; another dim is refused, located, with the directive that is accepted."""
+    """A weight gathered where it is used (the matmul's right operand: FSDP) sliced along its
+    columns is cut along its rows only; its columns are refused, located, with the directive
+    that is accepted."""
     _refused_at(WEIGHTS, directive, where, message)
     if good is not None:
         from coconetc.plan.show import show as show_plan
         ok = load_source(WEIGHTS + f"schedule s for q {{\n    {good}\n}}\n", "t.ccn")
-        assert "overlap wg = allgather(w) in 2 chunks along dim 0 (piece i of every rank's slice, in place)" in \
+        assert "overlap wg = allgather(w) in 2 chunks along dim 0 (rows in place)" in \
             show_plan(ok.plans[("q", "s")])
 
 

@@ -157,15 +157,19 @@ def overlap_cols(w: Writer, u: Overlap, dst: str) -> tuple[str, list[str]]:
 
 def weight_chunk(w: Writer, u: GatherMatmul, acc: str) -> tuple[str, list[str], str]:
     """The GEMM of chunk r of a gathered right operand (GatherMatmul.right: rows r of u.b, the
-    gathered weight): a matmul adds a[..., r] x b[r, :] into the consumer (acc: a C++ condition,
-    true but for the first chunk's first GEMM: beta = 1); a matmul_nt writes the consumer's
-    columns r, a x b[r, :]^T. The function (gemm_trans, both backends), its arguments and its
-    accumulate flag (after the stream on CUDA)."""
+    gathered weight, along dim 0; its columns r along dim 1). Along the dim the consumer
+    contracts (u.accumulates) it adds its product into the consumer (acc: a C++ condition, true
+    but for the first chunk's first GEMM: beta = 1); along the other it writes the consumer's
+    columns r. The function (gemm_trans, both backends), its arguments and its accumulate flag
+    (after the stream on CUDA)."""
     la, (k, n) = w.ldims(w.types[u.a]), w.ldims(w.types[u.b])
-    m, c = prod(la[:-1]), f"v_{u.consumer}"
-    if u.gemm == "matmul":  # y[M, N] (+)= a[M, r] x b[r, N]
-        return "gemm_trans", ["false", "false", m, n, "r.size()", f"v_{u.a} + r.begin", k, f"v_{u.b} + r.begin * {n}",
-                              n, c, n], acc
-    assert u.gemm == "matmul_nt", u.gemm  # y[M, r] = a[M, N] x b[r, N]^T
-    return "gemm_trans", ["false", "true", m, "r.size()", n, f"v_{u.a}", n, f"v_{u.b} + r.begin * {n}", n,
-                          f"{c} + r.begin", k], "false"
+    m, c, a, nt = prod(la[:-1]), f"v_{u.consumer}", f"v_{u.a}", u.gemm == "matmul_nt"
+    assert u.gemm in ("matmul", "matmul_nt"), u.gemm
+    b = f"v_{u.b} + r.begin * {n}" if u.dim == 0 else f"v_{u.b} + r.begin"
+    flags = ["false", "true" if nt else "false"]
+    if u.accumulates:  # matmul: y[M, N] += a[M, r] x b[r, N]; matmul_nt: y[M, K] += a[M, r] x b[K, r]^T
+        cols = k if nt else n
+        return "gemm_trans", [*flags, m, cols, "r.size()", f"{a} + r.begin", la[-1], b, n, c, cols], acc
+    if nt:  # y[M, r] = a[M, N] x b[r, N]^T
+        return "gemm_trans", [*flags, m, "r.size()", n, a, n, b, n, f"{c} + r.begin", k], "false"
+    return "gemm_trans", [*flags, m, "r.size()", k, a, k, b, n, f"{c} + r.begin", n], "false"  # y[M, r] = a x b[:, r]

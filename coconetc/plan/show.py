@@ -137,8 +137,11 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
                 f"{u.dim} ({how}) -> {u.consumer} = {u.gemm}({u.a}, {u.b}) per chunk, as it arrives")
         if not u.right:
             return [head]
-        each = (f"{u.consumer} += {u.a}[..., rows of the chunk] x the chunk's rows of {u.b} (the first chunk writes it)"
-                if u.accumulates else f"the chunk's columns of {u.consumer} = {u.a} x (the chunk's rows of {u.b})^T")
+        part = "rows" if u.dim == 0 else "columns"
+        t = "" if u.gemm == "matmul" else "^T"
+        each = (f"{u.consumer} += {u.a}[..., the chunk's columns] x (the chunk's {part} of {u.b}){t} (the first chunk "
+                f"writes it)" if u.accumulates
+                else f"the chunk's columns of {u.consumer} = {u.a} x (the chunk's {part} of {u.b}){t}")
         return [head, f"{ind}        per chunk: {each}; {u.b} is whole only after chunk {u.chunks}"]
     assert isinstance(u, Overlap)
     how = "rows in place" if u.direct else "each chunk packed"

@@ -381,10 +381,11 @@ class GatherMatmul:
               (rows of the slice), gathered straight into place; one GEMM per rank's piece
       packed  another leading dim: each chunk packed for its collective and unpacked into place
     right: the gathered value is the consumer's RIGHT operand (a weight sliced over the ranks
-    and gathered where it is used: FSDP, ZeRO-3), consumer = gemm(other, gather.dst), cut along
-    its dim 0 only (rows or pieces): chunk r of a matmul's contracted dim adds other[..., r] x
-    dst[r, :] into the consumer (the first chunk writes it, the others accumulate, beta = 1);
-    chunk r of a matmul_nt's rows of b writes the consumer's columns r (other x dst[r, :]^T).
+    and gathered where it is used: FSDP, ZeRO-3), consumer = gemm(other, gather.dst), 2-d, cut
+    along its rows (dim 0: rows or pieces) or its columns (dim 1: packed). A chunk r of the dim
+    the consumer contracts (a matmul's rows of dst, a matmul_nt's columns) adds its product
+    into the consumer (the first chunk writes it, the others accumulate, beta = 1: accumulates);
+    a chunk of the other dim writes the consumer's columns r.
     """
 
     gather: Collective
@@ -409,9 +410,9 @@ class GatherMatmul:
 
     @property
     def accumulates(self) -> bool:
-        """Each chunk adds to the whole consumer (a gathered right operand cut along the
-        contracted dim of a matmul)."""
-        return self.right and self.gemm == "matmul"
+        """Each chunk adds to the whole consumer (a gathered right operand cut along the dim
+        the consumer contracts: a matmul's dim 0, a matmul_nt's dim 1)."""
+        return self.right and self.dim == (0 if self.gemm == "matmul" else 1)
 
 
 Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap | GatherMatmul

@@ -152,7 +152,7 @@ class _Verifier:
     def gather_matmul(self, u: GatherMatmul) -> None:
         self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
         g = self.type(u.gather.dst)
-        if g.layout.sliced or u.dim >= g.ndim - 1 or (u.right and (u.dim != 0 or g.ndim != 2)):
+        if g.layout.sliced or (u.right and g.ndim != 2) or u.dim >= g.ndim - (0 if u.right else 1):
             self.fail(f"overlap {u.gather.dst} -> {u.consumer}: chunks along dim {u.dim} of {g}")
         self.write([u.consumer])
 

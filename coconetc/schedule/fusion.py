@@ -415,7 +415,7 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
     before:  wg = allgather(w)    y = matmul(x, wg)
     after:   wg is gathered in 4 blocks of its rows (the contracted dim), y = the sum over the
              blocks r of x[..., r] wg[r, :], each added as soon as block r has arrived
-             (_check_weight: dim 0 only; a matmul_nt writes y's columns r)."""
+             (_weight_overlap: or blocks of its columns, dim=1, each writing y's columns)."""
     cons = p.stage(d.consumer)
     if cons is None or not (isinstance(cons.expr, Op) and ops.has(cons.expr.op, ops.OVERLAPPED)):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
@@ -436,9 +436,9 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
         if d.consumer in (o.producer, o.consumer) or d.producer in (o.producer, o.consumer):
             name = d.consumer if d.consumer in (o.producer, o.consumer) else d.producer
             raise ScheduleError(span_of(d, name), "overlap", name, f"'{name}' is already overlapped")
-    if right:
-        _check_weight(p, d, coll, cons)
     gathered = coll.top.args[0].type.layout.dim if coll.top.op == "allgather" else None
+    if right:
+        return _weight_overlap(p, d, coll, cons, gathered)
     dims = [i for i in range(coll.type.ndim - 1) if i != gathered or i == 0]
     dim = dims[0] if d.dim is None and dims else d.dim
     if dim not in dims:
@@ -454,11 +454,13 @@ WEIGHT_GEMMS = ("matmul", "matmul_nt")
 """The GEMMs that take a gathered right operand chunk by chunk (plan/units.py GatherMatmul.right)."""
 
 
-def _check_weight(p: Program, d: OverlapD, coll: Stage, cons: Stage) -> None:
-    """overlap(wg, y, chunks=k): wg (a weight gathered where it is used: FSDP, ZeRO-3) is y's
-    RIGHT operand, 2-d, cut along its rows (dim 0) only: of a matmul the contracted dim (each
-    chunk adds x[..., r] x wg[r, :] into y), of a matmul_nt y's columns. The left operand may
-    not be sliced along the dim it contracts."""
+def _weight_overlap(p: Program, d: OverlapD, coll: Stage, cons: Stage, gathered: int | None) -> Program:
+    """overlap(wg, y, chunks=k[, dim=d]): wg (a weight gathered where it is used: FSDP,
+    ZeRO-3) is y's RIGHT operand, 2-d, cut along its rows (dim 0: pieces of every rank's slice
+    when it gathers dim 0, else blocks of rows in place) or, unless it gathers dim 1, its
+    columns (dim 1, each chunk packed). A chunk along the dim y contracts (a matmul's rows of
+    wg, a matmul_nt's columns) adds its product into y; along the other it writes y's columns.
+    The left operand may not be sliced along the dim it contracts."""
     op, x = cons.top.op, cons.top.args[0]
     at = span_of(d, d.consumer)
     if op not in WEIGHT_GEMMS:
@@ -470,12 +472,16 @@ def _check_weight(p: Program, d: OverlapD, coll: Stage, cons: Stage) -> None:
     if x.type.layout.sliced and x.type.layout.dim == x.type.ndim - 1:
         raise ScheduleError(at, "overlap", d.consumer, f"its left operand is sliced along the dim it contracts "
                             f"({x.type}): remove this overlap")
-    if d.dim not in (None, 0):
+    dims = [0] if gathered == 1 else [0, 1]
+    dim = 0 if d.dim is None else d.dim
+    if dim not in dims:
         good = f"overlap({d.producer}, {d.consumer}, chunks={d.chunks})"
+        why = "the dim it gathers, other than 0" if dim == gathered else "no such dim"
         raise ScheduleError(span_of(d, "dim="), "overlap", d.producer,
-                            f"cannot chunk '{d.producer}' along dim {d.dim}: a gathered right operand is cut along its "
-                            f"rows (dim 0: {'the contracted dim' if op == 'matmul' else 'the columns of ' + repr(cons.name)}"
-                            f"), each chunk multiplied as it arrives: {good}")
+                            f"cannot chunk '{d.producer}' along dim {dim} ({why}): a gathered right operand is cut "
+                            f"along its rows (dim 0){' or its columns (dim 1)' if 1 in dims else ''}, each chunk "
+                            f"multiplied as it arrives: {good}")
+    return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
 
 
 def _consumer_collective(p: Program, d: OverlapD) -> Stage:
