@@ -580,6 +580,6 @@ def title(u: Unit, loop: str = "loop", collective: str = "") -> str:
     if isinstance(u, Fused):
         return f"fused collective {u.name}: {', '.join(u.members)}"
     if isinstance(u, GatherMatmul):
-        return f"overlap {u.gather.op} {u.a} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})"
+        return f"overlap {u.gather.op} {u.gather.dst} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})"
     assert isinstance(u, Overlap)
     return f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}"

@@ -150,7 +150,7 @@ class _Verifier:
                 local |= {it.name for it in ph.items}
 
     def gather_matmul(self, u: GatherMatmul) -> None:
-        self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
+        self.read([u.a, u.b], f"overlap {u.gather.dst} -> {u.consumer}")
         g = self.type(u.gather.dst)
         if g.layout.sliced or (u.right and g.ndim != 2) or u.dim >= g.ndim - (0 if u.right else 1):
             self.fail(f"overlap {u.gather.dst} -> {u.consumer}: chunks along dim {u.dim} of {g}")

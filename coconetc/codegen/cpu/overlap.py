@@ -197,7 +197,7 @@ class CpuOverlap:
         self.w.emit("});")
 
     def _weight_chunk(self, u: GatherMatmul, n: str, ct: str) -> None:
-        """Chunk i of a gathered right operand (its rows r; pieces: rank q's piece i of its
+        """Chunk i of a gathered right operand (its rows or columns r; pieces: rank q's piece i of its
         rows, for each q): one GEMM each, then the next chunk's communication tested."""
         ind = "  "
         if u.how == GatherChunks.PIECES:

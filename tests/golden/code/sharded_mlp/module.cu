@@ -103,7 +103,7 @@ void sharded_mlp__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [overlapped] overlap allgather x -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)
+  // [overlapped] overlap allgather w1g -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -152,7 +152,7 @@ void sharded_mlp__overlapped(const coconet::cuda::CallArgs& a) {
   }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] overlap allgather a -> y: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:19)
+  // [overlapped] overlap allgather w2g -> y: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:19)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -422,7 +422,7 @@ void sharded_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [overlapped] overlap allgather x -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:23)
+  // [overlapped] overlap allgather w1g -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:23)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -471,7 +471,7 @@ void sharded_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] overlap allgather d_y -> g_a: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:24)
+  // [overlapped] overlap allgather w2g -> g_a: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:24)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -678,7 +678,7 @@ void sharded_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [overlapped] overlap allgather x -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)
+  // [overlapped] overlap allgather w1g -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -727,7 +727,7 @@ void sharded_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] overlap allgather a -> y: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:19)
+  // [overlapped] overlap allgather w2g -> y: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:19)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;

@@ -24,7 +24,7 @@ void sharded_mlp_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_w2g = a.output<float>(4);
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
-  // [overlapped] overlap allgather x -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)
+  // [overlapped] overlap allgather w1g -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)
   coconet::overlap_into(2, [&](int i, int channel) {
     return coconet::start_allgather_pieces(v_w1, v_w1g, S_H, S_F, 2, i, comm, channel);
   }, [&](int i, coconet::Overlap& ov) {
@@ -58,7 +58,7 @@ void sharded_mlp_fwd__overlapped(const coconet::CallArgs& a) {
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);
-  // [overlapped] overlap allgather a -> y: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:19)
+  // [overlapped] overlap allgather w2g -> y: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:19)
   coconet::overlap_into(2, [&](int i, int channel) {
     return coconet::start_allgather_pieces(v_w2, v_w2g, S_F, S_H, 2, i, comm, channel);
   }, [&](int i, coconet::Overlap& ov) {

@@ -29,7 +29,7 @@ void sharded_mlp_grad__overlapped(const coconet::CallArgs& a) {
   float* const v_d_x = a.output<float>(0);
   float* const v_d_w1 = a.output<float>(1);
   coconet::trace::Unit trace_0(0);
-  // [overlapped] overlap allgather x -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:23)
+  // [overlapped] overlap allgather w1g -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:23)
   coconet::overlap_into(2, [&](int i, int channel) {
     return coconet::start_allgather_pieces(v_w1, v_w1g, S_H, S_F, 2, i, comm, channel);
   }, [&](int i, coconet::Overlap& ov) {
@@ -63,7 +63,7 @@ void sharded_mlp_grad__overlapped(const coconet::CallArgs& a) {
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);
-  // [overlapped] overlap allgather d_y -> g_a: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:24)
+  // [overlapped] overlap allgather w2g -> g_a: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:24)
   coconet::overlap_into(2, [&](int i, int channel) {
     return coconet::start_allgather_pieces(v_w2, v_w2g, S_F, S_H, 2, i, comm, channel);
   }, [&](int i, coconet::Overlap& ov) {
