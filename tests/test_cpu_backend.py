@@ -33,7 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 # gpt_block.ccn's block repeated over 4 layers (a build of 4 blocks, 5 times: one per schedule,
 # which differ only in their pipeline directive); test_train_gpt.py trains it compiled, through
 # its pipeline schedule, against one process, and test_program_calls.py runs repeats compiled.
-ELSEWHERE = {"gpt_pipeline.ccn"}
+# sharded_mlp.ccn's overlaps (a gathered weight as a matmul's right operand, a weight gradient's
+# matmul_tn with its reduce-scatter) are those of tests/programs/gather_matmul.ccn's fsdp and
+# fsdp_cols, which test_gather_matmul.py runs compiled (CPU and CUDA emulation) on 2 and 3 ranks.
+ELSEWHERE = {"gpt_pipeline.ccn", "sharded_mlp.ccn"}
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.ccn") if p.name not in ELSEWHERE)
 _loaded = cache(load_file)  # each example parsed and planned once for the matrices below (collection)
 CALLS_WORKER = Path(__file__).with_name("cpu_calls_worker.py")

@@ -10,7 +10,10 @@ reads, each chunk multiplied as soon as it has arrived while the next is in flig
   too), compiled for the CPU on 2 and 3 ranks (uneven slices; tiny sizes with empty chunks and a
   rank holding nothing) and as CUDA under the host emulation, against the interpreter; the CUDA
   module compiled and linked by nvcc;
-- a batched matmul as the producer of an overlap (the usual way): chunks of whole batches."""
+- a batched matmul as the producer of an overlap (the usual way): chunks of whole batches;
+- a weight sliced over the ranks and gathered where it is used (FSDP: the matmul's right
+  operand), cut along its rows; its derived program's weight gradient (matmul_tn) overlapped
+  with its reduce-scatter."""
 
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ COCONETC = str(Path(sys.executable).parent / "coconetc")
 PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["default", "packed"],
             "bc": ["default", "rows"], "spmlp": ["default", "both"], "spmlp_grad": ["default", "both"],
             "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"], "fed": ["default", "both"],
-            "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"]}
+            "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"],
+            "fsdp": ["default", "pieces", "cols"], "fsdp_grad": ["default", "both", "cols"], "fsdp_cols": ["default", "rows"],
+            "fsdp_cols_grad": ["default", "both"], "bcw": ["default", "rows"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
     3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
@@ -63,10 +68,29 @@ def test_the_plan_shows_how_each_gather_is_cut():
             ("qk_grad", "sum"): "overlap g_g_part3 = matmul_nt(g_b, w2) + matmul_nt(g_a, w1) in 2 chunks along dim 0 "
                                 "(rows in place) -> d_x = reducescatter(sum, g_g_part3) per chunk",
             ("rowsum", "sum"): "overlap s = matmul(h1, w1) + matmul(h2, w2) in 3 chunks along dim 0 (rows in place) -> "
-                               "y = allreduce(sum, s) per chunk"}
+                               "y = allreduce(sum, s) per chunk",
+            ("fsdp", "pieces"): "overlap wg = allgather(w) in 2 chunks along dim 0 (piece i of every rank's slice, in "
+                                "place) -> y = matmul(x, wg) per chunk, as it arrives\n          per chunk: y += "
+                                "x[..., the chunk's columns] x (the chunk's rows of wg) (the first chunk writes it); wg "
+                                "is whole only after chunk 2",
+            ("fsdp", "cols"): "overlap wg = allgather(w) in 2 chunks along dim 1 (each chunk packed) -> y = matmul(x, wg) "
+                              "per chunk, as it arrives\n          per chunk: the chunk's columns of y = x x (the chunk's "
+                              "columns of wg); wg is whole only after chunk 2",
+            ("fsdp_grad", "cols"): "per chunk: d_x += d_y[..., the chunk's columns] x (the chunk's columns of wg)^T (the "
+                                   "first chunk writes it); wg is whole only after chunk 3",
+            ("fsdp_cols", "rows"): "overlap wg = allgather(w) in 3 chunks along dim 0 (rows in place) -> y = matmul(x, wg)",
+            ("bcw", "rows"): "overlap wg = broadcast(w, root=1) in 3 chunks along dim 0 (rows in place) -> y = matmul(x, wg)",
+            ("fsdp_grad", "both"): "per chunk: the chunk's columns of d_x = d_y x (the chunk's rows of wg)^T; wg is "
+                                   "whole only after chunk 2",
+            ("fsdp_cols_grad", "both"): "overlap g_wg_part = matmul_tn(x, d_y) in 2 chunks along dim 0 (rows in place) "
+                                        "-> d_w = reducescatter(sum, g_wg_part) per chunk"}
+    from coconetc.plan.show import show as show_plan
+    mod = load_file(FILE)  # (the derived programs too: the file schedules them)
     for (prog, sched), text in want.items():
-        res = _cli("show", str(FILE), "-p", prog, "-s", sched, "--format", "plan")
-        assert res.returncode == 0 and text in res.stdout, res.stdout + res.stderr
+        got = show_plan(mod.plans[(prog, sched)])
+        assert text in got, got
+    res = _cli("show", str(FILE), "-p", "fsdp", "--grad", "-s", "both", "--format", "plan")  # as a user asks
+    assert res.returncode == 0 and want[("fsdp_grad", "both")] in res.stdout, res.stdout + res.stderr
 
 
 BAD = """
@@ -84,15 +108,68 @@ program q(x: f32[B, S, H] sliced(1), w: f32[H, F] sliced(1), v: f32[F, H] sliced
 @pytest.mark.parametrize("directive, where, message", [
     ("overlap(g, h, chunks=2)", "h", "must be a matmul stage (or a derived program's matmul_nt) that reads it: give "
      "the matmul a stage of its own (m = matmul(g, w)) and overlap(g, m, ...)"),
-    ("overlap(g, z, chunks=2)", "z", "'z' does not read it as its left operand"),
+    ("overlap(g, z, chunks=2)", "z", "'z' does not read it as an operand"),
     ("overlap(g, y, chunks=2, dim=2)", "2)", "cannot chunk 'g' along dim 2 (the contracted dim, chunkable dims: 0)"),
     ("overlap(g, y, chunks=2, dim=1)", "1)", "cannot chunk 'g' along dim 1 (the gathered dim (other than 0), "
      "chunkable dims: 0)"),
-    ("overlap(r, y, chunks=2)", "r", "the producer must be a matmul stage (or a derived program's matmul_nt), a sum "
+    ("overlap(r, y, chunks=2)", "r", "the producer must be a matmul stage (or a derived program's matmul_nt or matmul_tn), a sum "
      "of such stages that nothing else reads, or an allgather or a broadcast whose result a matmul reads"),
 ])
 def test_bad_overlaps_are_located_errors(directive, where, message):
     _refused_at(BAD, directive, where, message)
+
+
+WEIGHTS = """
+program q(x: f32[T, K] sliced(0), w: f32[K, N] sliced(1), v: f32[G, K, N] sliced(1), u: f32[N, T] replicated) {
+    wg = allgather(w)
+    y = matmul(x, wg)
+    vg = allgather(v)
+    z = matmul(x, vg)
+    wg2 = allgather(w)
+    e = matmul(wg2, u)
+    return y, z, e
+}
+"""
+
+
+@pytest.mark.parametrize("directive, where, message, good", [
+    ("overlap(wg, y, chunks=2, dim=1)", "1)", "cannot chunk 'wg' along dim 1 (the dim it gathers, other than 0): a "
+     "gathered right operand is cut along its rows (dim 0), each chunk multiplied as it arrives: "
+     "overlap(wg, y, chunks=2)", "overlap(wg, y, chunks=2)"),
+    ("overlap(vg, z, chunks=2)", "z", "a batched matmul (a batched right operand) cannot be overlapped yet: remove "
+     "this overlap", None),
+    ("overlap(wg, e, chunks=2)", "e", "'e' does not read it as an operand", None),
+])
+def test_a_gathered_weight_is_cut_along_its_rows_only(directive, where, message, good):
+    """A weight gathered where it is used (the matmul's right operand: FSDP) sliced along its
+    columns is cut along its rows only; its columns are refused, located, with the directive
+    that is accepted."""
+    _refused_at(WEIGHTS, directive, where, message)
+    if good is not None:
+        from coconetc.plan.show import show as show_plan
+        ok = load_source(WEIGHTS + f"schedule s for q {{\n    {good}\n}}\n", "t.ccn")
+        assert "overlap wg = allgather(w) in 2 chunks along dim 0 (rows in place)" in \
+            show_plan(ok.plans[("q", "s")])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_derived_fsdp_layer_gathers_and_reduce_scatters_and_matches_numpy(ranks):
+    """grad(fsdp) (interpreted): the weight is gathered again for d_x = d_y w^T and its gradient
+    x^T d_y reduce-scattered back to the ranks' slices; against NumPy, on 1 to 3 ranks (uneven
+    slices; on 3 a rank holding no row of w)."""
+    mod = load_source(FILE.read_text().replace("f32", "f64"), "g.ccn")
+    grad = vjp(mod.programs["fsdp"])
+    ops = [s.expr.op for s in grad.stages if hasattr(s.expr, "op")]
+    assert ops.count("allgather") == 1 and ops.count("reducescatter") == 1 and "allreduce" not in ops, ops
+    T, K, N = 5, 2, 3
+    rng = np.random.default_rng(ranks)
+    x, w, d_y = rng.standard_normal((T, K)), rng.standard_normal((K, N)), rng.standard_normal((T, N))
+    cut = lambda a, r: a[slice(*slice_range(a.shape[0], ranks, r))].copy()  # noqa: E731
+    res = run(grad, [{"x": cut(x, r), "w": cut(w, r), "d_y": cut(d_y, r)} for r in range(ranks)])
+    np.testing.assert_allclose(np.concatenate([r.outputs["d_x"] for r in res]), d_y @ w.T, rtol=1e-12)
+    np.testing.assert_allclose(np.concatenate([r.outputs["d_w"] for r in res]), x.T @ d_y, rtol=1e-12)
+    fwd = run(mod.programs["fsdp"], [{"x": cut(x, r), "w": cut(w, r)} for r in range(ranks)])
+    np.testing.assert_allclose(np.concatenate([r.outputs["y"] for r in fwd]), x @ w, rtol=1e-12)
 
 
 def _refused_at(program: str, directive: str, where: str, message: str) -> None:

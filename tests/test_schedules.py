@@ -60,7 +60,20 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
         # (merged with a dim of NH sliced, a rank's heads must be its slice of NH * HD)
         heads = {"NH": s if small else 4, "HD": 1} if program.startswith("gpt") else {}
         return {"B": 2, "S": s, "H": 3, "F": s, **heads} if small else {"B": 2, "S": 5, "H": 4, "F": 7, **heads}
-    raise KeyError(f"no sizes for program '{program}': add them here")
+    return _every_dim_sliced(program, s, small)
+
+
+def _every_dim_sliced(program: str, s: int, small: bool) -> dict[str, int]:
+    if program not in EVERY_DIM_SLICED:
+        raise KeyError(f"no sizes for program '{program}': add them here")
+    return dict.fromkeys(EVERY_DIM_SLICED[program], s) if small else dict(EVERY_DIM_SLICED[program])
+
+
+EVERY_DIM_SLICED = {  # programs every dim of which gets sliced: their sizes (small: each the group size - 1)
+    "sharded_mlp": {"B": 5, "H": 7, "F": 6},  # B (the batch), H (w1's rows), F (w2's rows); chunks of H and F
+    "sharded_mlp_grad": {"B": 5, "H": 7, "F": 6},
+    "sgd_step": {"H": 7, "F": 6},  # (sharded_mlp.ccn)
+}
 
 
 def cases():

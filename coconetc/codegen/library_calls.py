@@ -115,6 +115,9 @@ def overlap_rows(w: Writer, u: Overlap | GatherMatmul, first: str, count: str, d
     them out (matmul: A[M, K] x B[K, N]; matmul_nt: A[M, N] x B[K, N]^T; a batched matmul:
     the rows are whole batches of M)."""
     la, lb = w.ldims(w.types[u.a]), w.ldims(w.types[u.b])
+    if u.gemm == "matmul_tn":  # C[K, N] = A[M, K]^T x B[M, N], M over every leading dim: rows of C, columns of A
+        m, k, n = prod(la[:-1]), la[-1], lb[-1]
+        return "gemm_trans", ["true", "false", count, n, m, f"v_{u.a} + {first}", k, f"v_{u.b}", n, dst, n]
     if len(lb) > 2:  # batched (matmul): whole batches of M rows, a strided-batched GEMM (call_args)
         M, K, N = la[-2], la[-1], lb[-1]
         stride_a = prod(la[-2:]) if len(la) > 2 else "int64_t(0)"
@@ -143,6 +146,30 @@ def overlap_cols(w: Writer, u: Overlap, dst: str) -> tuple[str, list[str]]:
     m, inner = prod(ly[:-1]), la[-1]
     if u.gemm == "matmul":
         return "gemm", [m, "r.size()", inner, f"v_{u.a}", inner, f"v_{u.b} + r.begin", lb[1], dst, "r.size()"]
+    if u.gemm == "matmul_tn":  # P[K, |r|] = A[M, K]^T x B[M, r], M over every leading dim
+        k, rows = la[-1], prod(la[:-1])
+        return "gemm_trans", ["true", "false", k, "r.size()", rows, f"v_{u.a}", k, f"v_{u.b} + r.begin", lb[-1], dst,
+                              "r.size()"]
     assert u.gemm == "matmul_nt", u.gemm
     return "gemm_trans", ["false", "true", m, "r.size()", inner, f"v_{u.a}", inner, f"v_{u.b} + r.begin * {lb[1]}",
                           lb[1], dst, "r.size()"]
+
+
+def weight_chunk(w: Writer, u: GatherMatmul, acc: str) -> tuple[str, list[str], str]:
+    """The GEMM of chunk r of a gathered right operand (GatherMatmul.right: rows r of u.b, the
+    gathered weight, along dim 0; its columns r along dim 1). Along the dim the consumer
+    contracts (u.accumulates) it adds its product into the consumer (acc: a C++ condition, true
+    but for the first chunk's first GEMM: beta = 1); along the other it writes the consumer's
+    columns r. The function (gemm_trans, both backends), its arguments and its accumulate flag
+    (after the stream on CUDA)."""
+    la, (k, n) = w.ldims(w.types[u.a]), w.ldims(w.types[u.b])
+    m, c, a, nt = prod(la[:-1]), f"v_{u.consumer}", f"v_{u.a}", u.gemm == "matmul_nt"
+    assert u.gemm in ("matmul", "matmul_nt"), u.gemm
+    b = f"v_{u.b} + r.begin * {n}" if u.dim == 0 else f"v_{u.b} + r.begin"
+    flags = ["false", "true" if nt else "false"]
+    if u.accumulates:  # matmul: y[M, N] += a[M, r] x b[r, N]; matmul_nt: y[M, K] += a[M, r] x b[K, r]^T
+        cols = k if nt else n
+        return "gemm_trans", [*flags, m, cols, "r.size()", f"{a} + r.begin", la[-1], b, n, c, cols], acc
+    if nt:  # y[M, r] = a[M, N] x b[r, N]^T
+        return "gemm_trans", [*flags, m, "r.size()", n, a, n, b, n, f"{c} + r.begin", k], "false"
+    return "gemm_trans", [*flags, m, "r.size()", k, a, k, b, n, f"{c} + r.begin", n], "false"  # y[M, r] = a x b[:, r]

@@ -350,7 +350,7 @@ class _Counter:
         return _pipelined(gemm, self.collective(u.gather.op, u.gather.src, u.gather.dst, flat=True), u.chunks)
 
     def overlap(self, u: Overlap) -> Cost:
-        gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))
+        gemm = self.library(Library(u.producer, u.gemm, (u.a, u.b)))
         for t in u.terms:  # a sum of GEMMs: each adds its product to the producer's rows
             gemm.add(self.library(Library(u.producer, t.gemm, (t.a, t.b))))
         comm = (self.fused(u.fused, flat=True) if u.fused is not None

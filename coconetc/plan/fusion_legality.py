@@ -65,6 +65,7 @@ class GatherSpec:
     dim: int
     how: GatherChunks
     span: Span = NOWHERE
+    right: bool = False  # the collective's result is the consumer's right operand (a weight: GatherMatmul.right)
 
 
 def same_elements(rt: TType, t: TType) -> bool:
@@ -360,6 +361,10 @@ def fed_matmul(p: Program, ov: OverlapSpec, into: dict[str, Overlap], scattered:
     assert ov.fused is not None and fusion is not None
     o, y = into[g.name], ov.producer
     spec = gather_spec(p, o, scattered)
+    if spec.right:
+        raise PlanError.at(o.span, f"overlap: '{g.name}' is gathered by the fused collective '{fusion.name}' and "
+                           f"'{spec.consumer.name}' reads it as its right operand, which a fused collective does not "
+                           f"feed chunk by chunk: remove this overlap")
     if ov.fused.gather is None or ov.fused.gather.name != g.name:
         raise PlanError.at(o.span, f"overlap: the fused collective '{fusion.name}' gathers '{g.name}' only after "
                            f"every chunk (what it gathers waits for all of them), so '{spec.consumer.name}' cannot "
@@ -407,4 +412,5 @@ def gather_spec(p: Program, o: Overlap, scattered: set[str]) -> GatherSpec:
                            f"parameter '{x.name}', which is not gathered in chunks: remove this overlap")
     gathered = x.type.layout.dim if op_of(g).op == "allgather" else None
     how = GatherChunks.PIECES if o.dim == gathered else GatherChunks.ROWS if o.dim == 0 else GatherChunks.PACKED
-    return GatherSpec(g, y, o.chunks, o.dim, how, o.span)
+    a = op_of(y).args[0]
+    return GatherSpec(g, y, o.chunks, o.dim, how, o.span, right=not (isinstance(a, Ref) and a.name == g.name))

@@ -740,12 +740,13 @@ class _Planner:
     def _gather_matmul(self, gs: GatherSpec) -> None:
         g, y = gs.collective, gs.consumer
         x = self._materialize(op_of(g).args[0], g.name)
-        b = self._materialize(op_of(y).args[1], y.name)
+        other = self._materialize(op_of(y).args[0 if gs.right else 1], y.name)
         self._place(g)
         self._place(y)
         e = op_of(g)
         gather = Collective(g.name, e.op, x, "", int(e.attr("root") or 0), line=_line(g.span))
-        self.out.append(GatherMatmul(gather, y.name, b, gs.chunks, gs.dim, gs.how, op_of(y).op, _line(gs.span)))
+        self.out.append(GatherMatmul(gather, y.name, other, gs.chunks, gs.dim, gs.how, op_of(y).op, _line(gs.span),
+                                     gs.right))
 
     # --- the end of the function ----------------------------------------------------------
     def _write_back(self) -> None:

@@ -133,8 +133,16 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, GatherMatmul):
         how = {GatherChunks.ROWS: "rows in place", GatherChunks.PIECES: "piece i of every rank's slice, in place",
                GatherChunks.PACKED: "each chunk packed"}[u.how]
-        return [f"{ind}{_at(u.line)} overlap {u.a} = {_coll(u.gather)} in {u.chunks} chunks along dim {u.dim} "
-                f"({how}) -> {u.consumer} = {u.gemm}({u.a}, {u.b}) per chunk, as it arrives"]
+        head = (f"{ind}{_at(u.line)} overlap {u.gather.dst} = {_coll(u.gather)} in {u.chunks} chunks along dim "
+                f"{u.dim} ({how}) -> {u.consumer} = {u.gemm}({u.a}, {u.b}) per chunk, as it arrives")
+        if not u.right:
+            return [head]
+        part = "rows" if u.dim == 0 else "columns"
+        t = "" if u.gemm == "matmul" else "^T"
+        each = (f"{u.consumer} += {u.a}[..., the chunk's columns] x (the chunk's {part} of {u.b}){t} (the first chunk "
+                f"writes it)" if u.accumulates
+                else f"the chunk's columns of {u.consumer} = {u.a} x (the chunk's {part} of {u.b}){t}")
+        return [head, f"{ind}        per chunk: {each}; {u.b} is whole only after chunk {u.chunks}"]
     assert isinstance(u, Overlap)
     how = "rows in place" if u.direct else "each chunk packed"
     gemms = " + ".join(f"{t.gemm}({t.a}, {t.b})" for t in u.gemms)

@@ -372,7 +372,7 @@ class Term:
 class GatherMatmul:
     """overlap() the other way (async-TP's all-gather-matmul): the collective `gather` (an
     allgather or a broadcast of gather.src into gather.dst) runs in `chunks` chunks along `dim`
-    of its result, and the consumer = gemm(gather.dst, b) (`gemm` "matmul"; "matmul_nt": a x
+    of its result, and the consumer = gemm(gather.dst, other) (`gemm` "matmul"; "matmul_nt": a x
     b^T) multiplies each chunk's rows as soon as the chunk has arrived, while the next chunk
     is in flight. The gathered value is stored whole (other stages may read it). how:
       rows    dim 0, not the gathered dim: chunk i is rows r_i of the source, of the gathered
@@ -380,21 +380,39 @@ class GatherMatmul:
       pieces  dim 0 is the dim an allgather gathers: chunk i is piece i of every rank's slice
               (rows of the slice), gathered straight into place; one GEMM per rank's piece
       packed  another leading dim: each chunk packed for its collective and unpacked into place
+    right: the gathered value is the consumer's RIGHT operand (a weight sliced over the ranks
+    and gathered where it is used: FSDP, ZeRO-3), consumer = gemm(other, gather.dst), 2-d, cut
+    along its rows (dim 0: rows or pieces) or its columns (dim 1: packed). A chunk r of the dim
+    the consumer contracts (a matmul's rows of dst, a matmul_nt's columns) adds its product
+    into the consumer (the first chunk writes it, the others accumulate, beta = 1: accumulates);
+    a chunk of the other dim writes the consumer's columns r.
     """
 
     gather: Collective
     consumer: str
-    b: str
+    other: str  # the consumer's other operand
     chunks: int
     dim: int
     how: GatherChunks
     gemm: str = "matmul"
     line: int = 0
+    right: bool = False
 
     @property
     def a(self) -> str:
-        """The GEMM's left operand: the gathered value."""
-        return self.gather.dst
+        """The GEMM's left operand: the gathered value (right: the other operand)."""
+        return self.other if self.right else self.gather.dst
+
+    @property
+    def b(self) -> str:
+        """The GEMM's right operand: the other operand (right: the gathered value)."""
+        return self.gather.dst if self.right else self.other
+
+    @property
+    def accumulates(self) -> bool:
+        """Each chunk adds to the whole consumer (a gathered right operand cut along the dim
+        the consumer contracts: a matmul's dim 0, a matmul_nt's dim 1)."""
+        return self.right and self.dim == (0 if self.gemm == "matmul" else 1)
 
 
 Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap | GatherMatmul
@@ -540,7 +558,7 @@ def _touches(u: Unit, names: set[str]) -> bool:
         return bool({u.producer, u.collective, *(n for t in u.gemms for n in (t.a, t.b))} & names) or \
             (u.fused is not None and _touches(u.fused, names)) or (u.then is not None and _touches(u.then, names))
     if isinstance(u, GatherMatmul):
-        return bool({u.gather.src, u.gather.dst, u.consumer, u.b} & names)
+        return bool({u.gather.src, u.gather.dst, u.consumer, u.other} & names)
     return False
 
 
@@ -562,6 +580,6 @@ def title(u: Unit, loop: str = "loop", collective: str = "") -> str:
     if isinstance(u, Fused):
         return f"fused collective {u.name}: {', '.join(u.members)}"
     if isinstance(u, GatherMatmul):
-        return f"overlap {u.gather.op} {u.a} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})"
+        return f"overlap {u.gather.op} {u.gather.dst} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})"
     assert isinstance(u, Overlap)
     return f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}"

@@ -150,9 +150,10 @@ class _Verifier:
                 local |= {it.name for it in ph.items}
 
     def gather_matmul(self, u: GatherMatmul) -> None:
-        self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
-        if self.type(u.a).layout.sliced or u.dim >= self.type(u.a).ndim - 1:
-            self.fail(f"overlap {u.a} -> {u.consumer}: chunks along dim {u.dim} of {self.type(u.a)}")
+        self.read([u.a, u.b], f"overlap {u.gather.dst} -> {u.consumer}")
+        g = self.type(u.gather.dst)
+        if g.layout.sliced or (u.right and g.ndim != 2) or u.dim >= g.ndim - (0 if u.right else 1):
+            self.fail(f"overlap {u.gather.dst} -> {u.consumer}: chunks along dim {u.dim} of {g}")
         self.write([u.consumer])
 
     def overlap(self, u: Overlap) -> None:

@@ -353,7 +353,8 @@ def overlap(p: Program, d: OverlapD) -> Program:
 
     The producer is a matmul, or a derived program's matmul_nt (a x b^T, the input gradient
     of a matmul): chunks along its leading dims are row blocks of a, along its last dim row
-    blocks of b. Or a sum of such stages (Program.summed_gemms: an input gradient through
+    blocks of b; or a matmul_tn (a^T x b, the weight gradient, reduce-scattered over the
+    data-parallel ranks: FSDP): chunks along dim 0 are column blocks of a, along dim 1 of b. Or a sum of such stages (Program.summed_gemms: an input gradient through
     several linear layers, attention's q, k and v): each chunk's rows are one GEMM after
     another into the same rows, chunked along dim 0 only.
     """
@@ -361,14 +362,15 @@ def overlap(p: Program, d: OverlapD) -> Program:
     if prod is not None and isinstance(prod.expr, Op) and prod.expr.op in GATHERS:
         return _overlap_into(p, d, prod)
     terms = p.summed_gemms(d.producer)
-    if prod is None or not (isinstance(prod.expr, Op) and ops.has(prod.expr.op, ops.OVERLAPPED) or terms):
+    if prod is None or not (isinstance(prod.expr, Op) and (ops.has(prod.expr.op, ops.OVERLAPPED)
+                                                           or prod.expr.op == "matmul_tn") or terms):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
-                            "the producer must be a matmul stage (or a derived program's matmul_nt), "
+                            "the producer must be a matmul stage (or a derived program's matmul_nt or matmul_tn), "
                             "a sum of such stages that nothing else reads, "
                             "or an allgather or a broadcast whose result a matmul reads")
     first = terms[0] if terms else prod
     assert isinstance(first.expr, Op)
-    if first.expr.args[1].type.ndim > 2 and first.expr.op != "matmul":
+    if first.expr.args[1].type.ndim > 2 and first.expr.op == "matmul_nt":
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
                             f"a batched {first.expr.op} cannot be overlapped yet")
     coll = _consumer_collective(p, d)
@@ -407,7 +409,13 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
     other than the one an allgather gathers, or, when that is dim 0, pieces of every rank's
     slice of dim 0 (chunk i: piece i of each rank's rows). An allgather of a fusion (a fused
     reduce-scatter's) feeds the matmul chunk for chunk with the fused collective's own overlap
-    (plan/planner.py)."""
+    (plan/planner.py).
+
+    Or g is the consumer's RIGHT operand, a weight gathered where it is used (FSDP, ZeRO-3):
+    before:  wg = allgather(w)    y = matmul(x, wg)
+    after:   wg is gathered in 4 blocks of its rows (the contracted dim), y = the sum over the
+             blocks r of x[..., r] wg[r, :], each added as soon as block r has arrived
+             (_weight_overlap: or blocks of its columns, dim=1, each writing y's columns)."""
     cons = p.stage(d.consumer)
     if cons is None or not (isinstance(cons.expr, Op) and ops.has(cons.expr.op, ops.OVERLAPPED)):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
@@ -415,13 +423,13 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
                             f"(or a derived program's matmul_nt) that reads it: give the matmul a stage of "
                             f"its own (m = matmul({coll.name}, w)) and overlap({coll.name}, m, ...)")
     a, b = cons.expr.args[0], cons.expr.args[1]
-    if not (isinstance(a, Ref) and a.name == coll.name):
-        what = ("reads it as its right operand (a weight gather is not overlapped yet)"
-                if isinstance(b, Ref) and b.name == coll.name else "does not read it as its left operand")
-        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, f"'{d.consumer}' {what}")
+    right = not (isinstance(a, Ref) and a.name == coll.name)
+    if right and not (isinstance(b, Ref) and b.name == coll.name):
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
+                            f"'{d.consumer}' does not read it as an operand")
     if b.type.ndim > 2:
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
-                            "a batched matmul (a batched right operand) cannot be overlapped yet")
+                            "a batched matmul (a batched right operand) cannot be overlapped yet: remove this overlap")
     if p.fusion_of(cons.name) is not None:
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the matmul is fused")
     for o in p.overlaps:
@@ -429,6 +437,8 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
             name = d.consumer if d.consumer in (o.producer, o.consumer) else d.producer
             raise ScheduleError(span_of(d, name), "overlap", name, f"'{name}' is already overlapped")
     gathered = coll.top.args[0].type.layout.dim if coll.top.op == "allgather" else None
+    if right:
+        return _weight_overlap(p, d, coll, cons, gathered)
     dims = [i for i in range(coll.type.ndim - 1) if i != gathered or i == 0]
     dim = dims[0] if d.dim is None and dims else d.dim
     if dim not in dims:
@@ -437,6 +447,40 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
         why += "the gathered dim (other than 0), " if dim == gathered else ""
         raise ScheduleError(at, "overlap", d.producer, f"cannot chunk '{d.producer}' along dim {dim} "
                             f"({why or 'no such dim, '}chunkable dims: {', '.join(map(str, dims)) or 'none'})")
+    return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
+
+
+WEIGHT_GEMMS = ("matmul", "matmul_nt")
+"""The GEMMs that take a gathered right operand chunk by chunk (plan/units.py GatherMatmul.right)."""
+
+
+def _weight_overlap(p: Program, d: OverlapD, coll: Stage, cons: Stage, gathered: int | None) -> Program:
+    """overlap(wg, y, chunks=k[, dim=d]): wg (a weight gathered where it is used: FSDP,
+    ZeRO-3) is y's RIGHT operand, 2-d, cut along its rows (dim 0: pieces of every rank's slice
+    when it gathers dim 0, else blocks of rows in place) or, unless it gathers dim 1, its
+    columns (dim 1, each chunk packed). A chunk along the dim y contracts (a matmul's rows of
+    wg, a matmul_nt's columns) adds its product into y; along the other it writes y's columns.
+    The left operand may not be sliced along the dim it contracts."""
+    op, x = cons.top.op, cons.top.args[0]
+    at = span_of(d, d.consumer)
+    if op not in WEIGHT_GEMMS:
+        raise ScheduleError(at, "overlap", d.consumer, f"a gathered right operand is taken chunk by chunk by a "
+                            f"matmul or a derived program's matmul_nt, not a {op}: remove this overlap")
+    if coll.type.ndim != 2:
+        raise ScheduleError(at, "overlap", d.consumer, f"'{coll.name}' is {coll.type}: a gathered right operand "
+                            "must be 2-d (a batched one cannot be overlapped yet): remove this overlap")
+    if x.type.layout.sliced and x.type.layout.dim == x.type.ndim - 1:
+        raise ScheduleError(at, "overlap", d.consumer, f"its left operand is sliced along the dim it contracts "
+                            f"({x.type}): remove this overlap")
+    dims = [0] if gathered == 1 else [0, 1]
+    dim = 0 if d.dim is None else d.dim
+    if dim not in dims:
+        good = f"overlap({d.producer}, {d.consumer}, chunks={d.chunks})"
+        why = "the dim it gathers, other than 0" if dim == gathered else "no such dim"
+        raise ScheduleError(span_of(d, "dim="), "overlap", d.producer,
+                            f"cannot chunk '{d.producer}' along dim {dim} ({why}): a gathered right operand is cut "
+                            f"along its rows (dim 0){' or its columns (dim 1)' if 1 in dims else ''}, each chunk "
+                            f"multiplied as it arrives: {good}")
     return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
 
 
@@ -460,7 +504,7 @@ def _chunkable(prod: Stage, gemm: Stage, coll: Stage) -> list[int]:
     the producer, or the first GEMM of the sum it is."""
     t = prod.type
     banned = {t.layout.dim} if t.layout.sliced else set()
-    if gemm.top.args[1].type.ndim > 2:
+    if gemm.top.args[1].type.ndim > 2 and gemm.top.op == "matmul":
         banned |= {t.ndim - 2, t.ndim - 1}
     op = coll.top
     if op.op in ("reducescatter", "scatter"):

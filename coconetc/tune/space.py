@@ -12,7 +12,7 @@ it) the generated schedules are, with their labels:
     ..._overlapK          + overlap(<the matmul producing s's input>, <s, rs or the fusion>,
                           chunks=K) for K in 2, 4, 8 (also on the unsplit allreduce: auto_overlapK),
                           and overlap(<g>, <the matmul that reads g>, chunks=K) for each
-                          allgather or broadcast g a matmul reads as its left operand
+                          allgather or broadcast g a matmul reads (left operand first)
     ..._dD                split along dim D (every dim of s is tried; D = 0 is not named)
 
 "The computations that follow s": every stage that reads s's value directly or through other
@@ -281,13 +281,15 @@ def _overlaps(q: Program, ars: list[str], consumers: dict[str, str], k: int) -> 
 
 def _gather_overlaps(q: Program, before: tuple[Directive, ...], k: int) -> tuple[Directive, ...]:
     """overlap(<gather>, <matmul>, chunks=k) for each allgather or broadcast (not fused) that a
-    matmul stage reads as its left operand (the other way: all-gather-matmul)."""
+    matmul stage reads as its left operand (the other way: all-gather-matmul), or else as its
+    right one (a weight gathered where it is used: FSDP)."""
     out: list[Directive] = []
     for g in q.stages:
         if g.kind != "collective" or g.top.op not in GATHERS or q.fusion_of(g.name):
             continue
-        y = next((s for s in q.users(g.name) if isinstance(s.expr, Op) and s.expr.op == "matmul"
-                  and isinstance(s.expr.args[0], Ref) and s.expr.args[0].name == g.name), None)
+        reads = [(i, s) for s in q.users(g.name) if isinstance(s.expr, Op) and s.expr.op == "matmul"
+                 for i, a in enumerate(s.expr.args) if isinstance(a, Ref) and a.name == g.name]
+        y = min(reads, key=lambda r: r[0])[1] if reads else None
         if y is None:
             continue
         d = OverlapD(g.name, y.name, k, None, NOWHERE)

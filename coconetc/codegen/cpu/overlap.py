@@ -157,7 +157,7 @@ class CpuOverlap:
         as soon as it has arrived, the next chunk's communication tested between row blocks."""
         c, g = u.gather, dispatch.gather_chunk(self.w, u)
         ct = CTYPE[self.w.types[c.dst].dtype]
-        if u.gemm == "matmul":
+        if u.gemm == "matmul" and not u.right:
             self._prepare_b(u, ct)
         if u.how == GatherChunks.PACKED:
             self.w.emit(f"coconet::PackedChunks<{ct}> pk_{c.dst}({u.chunks}, {g.x_outer}, {g.n}, {g.x_inner});")
@@ -179,7 +179,9 @@ class CpuOverlap:
                 start = f"coconet::then_unpack({start}, Q, v_{c.dst}, {g.g_outer}, {g.n}, {g.g_inner}, r)"
             self.w.emit(f"  return {start};")
         self.w.emit("}, [&](int i, coconet::Overlap& ov) {")
-        if u.how == GatherChunks.PIECES:
+        if u.right:
+            self._weight_chunk(u, g.n, ct)
+        elif u.how == GatherChunks.PIECES:
             self.w.emit("  for (int q = 0; q < comm.size; ++q) {")
             self.w.emit(f"    const coconet::Range r = coconet::piece_range({g.n}, comm.size, q, {u.chunks}, i);")
             self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
@@ -193,6 +195,23 @@ class CpuOverlap:
             self._gemm_rows(u, ct, f"(o * {g.n} + r.begin) * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
             self.w.emit("  }")
         self.w.emit("});")
+
+    def _weight_chunk(self, u: GatherMatmul, n: str, ct: str) -> None:
+        """Chunk i of a gathered right operand (its rows or columns r; pieces: rank q's piece i of its
+        rows, for each q): one GEMM each, then the next chunk's communication tested."""
+        ind = "  "
+        if u.how == GatherChunks.PIECES:
+            self.w.emit("  for (int q = 0; q < comm.size; ++q) {")
+            self.w.emit(f"    const coconet::Range r = coconet::piece_range({n}, comm.size, q, {u.chunks}, i);")
+            ind, first = "    ", "i > 0 || q > 0"
+        else:
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
+            first = "i > 0"
+        fn, args, acc = library_calls.weight_chunk(self.w, u, first)
+        self.w.emit(f"{ind}coconet::{fn}<{ct}>({', '.join(args)}, {acc});")
+        self.w.emit(f"{ind}ov.progress();")
+        if u.how == GatherChunks.PIECES:
+            self.w.emit("  }")
 
     def _prepare_b(self, u: GatherMatmul, ct: str) -> None:
         """A consuming matmul's b prepared once (f16/bf16 widened once, not once per chunk)."""

@@ -198,7 +198,10 @@ class CudaOverlap:
             self.w.emit("      for (int q = 0; q < comm.size; ++q) {")
             self.w.emit(f"        const coconet::Range r = coconet::piece_range({g.n}, comm.size, q, {u.chunks}, i);")
             self.w.emit("        if (r.empty()) continue;")
-            self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "        ")
+            if u.right:
+                self._weight_chunk(u, ct, "i > 0 || q > 0", "        ")
+            else:
+                self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "        ")
             self.w.emit("      }")
             self.w.emit("    }")
         else:
@@ -222,7 +225,9 @@ class CudaOverlap:
             self.w.emit("    }")
             self.w.emit(arrived)
             self._piece(CONSUME, "i", "stream")
-            if u.how == GatherChunks.ROWS:
+            if u.right:
+                self._weight_chunk(u, ct, "i > 0", "      ")
+            elif u.how == GatherChunks.ROWS:
                 self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "      ")
             else:
                 self.w.emit(f"      for (int64_t o = 0; o < {g.g_outer}; ++o)")
@@ -241,6 +246,13 @@ class CudaOverlap:
     def _gemm_rows(self, u: GatherMatmul, ct: str, first: str, count: str, cols: str, ind: str) -> None:
         self._gemm(ct, library_calls.overlap_rows(self.w, u, f"({first})", count, f"v_{u.consumer} + ({first}) * {cols}"),
                    ind)
+
+    def _weight_chunk(self, u: GatherMatmul, ct: str, acc: str, ind: str) -> None:
+        """Chunk r of a gathered right operand (GatherMatmul.right), on the call's stream: a
+        matmul adds its part of the contracted dim into the consumer (beta = 1 but for the
+        first chunk's first GEMM), a matmul_nt writes the consumer's columns r."""
+        fn, args, flag = library_calls.weight_chunk(self.w, u, acc)
+        self.w.emit(f"{ind}coconet::cuda::{fn}<{ct}>({', '.join(args)}, stream, {flag});")
 
     def _gemm(self, ct: str, call: tuple[str, list[str]], ind: str) -> None:
         """One GEMM of the overlap (cuBLAS, runtime.cuh / grad.cuh) on the call's stream."""
