@@ -44,6 +44,9 @@ The package, a file per story:
   ops.py             the torch.library custom operators of function / Module calls
   gpt.py             a nanoGPT block's weights in gpt_block.ccn's layouts, the sequence-parallel
                      region's edges
+  sharded.py         shard / Sharded: a model's parameters kept sharded between steps (each
+                     rank its slice_range of a dim), gathered for the forward, gradients
+                     reduce-scattered, whole-tensor checkpoints on any rank count
   params.py          what they share: the module loaded once, arguments bound and on the
                      backend's device, torch's params and param groups"""
 
@@ -58,5 +61,6 @@ from coconetc.torch import gpt
 from coconetc.torch.differentiable import Differentiable, function
 from coconetc.torch.module import Module
 from coconetc.torch.optimizer import DistributedOptimizer
+from coconetc.torch.sharded import Sharded, shard
 
-__all__ = ["DistributedOptimizer", "Differentiable", "Module", "function", "gpt"]
+__all__ = ["DistributedOptimizer", "Differentiable", "Module", "Sharded", "function", "gpt", "shard"]
