@@ -223,14 +223,16 @@ class Sharded:
         return out
 
     def _differ(self, label: str, mine: list[tuple]) -> None:
+        """Raises, on every rank, the same error naming the first rank whose parameters are not
+        rank 0's and the first that differs."""
         from coconetc.runtime import agree
         everyone = agree.exchange(self.comm, mine, label, agree.timeout_s())
         for r, theirs in enumerate(everyone):
-            if theirs != mine:
-                diff = next((f"{a!r} on rank {r}, {b!r} here" for a, b in zip(theirs, mine) if a != b),
-                            f"{len(theirs)} parameters on rank {r}, {len(mine)} here")
-                raise RuntimeError(f"{label}: rank {r} holds other parameters (name, shape, dim, dtype: "
-                                   f"{diff}); every rank must shard the same model alike")
+            if theirs != everyone[0]:
+                diff = next((f"{b!r} on rank {r}, {a!r} on rank 0" for a, b in zip(everyone[0], theirs) if a != b),
+                            f"{len(theirs)} parameters on rank {r}, {len(everyone[0])} on rank 0")
+                raise RuntimeError(f"{label}: rank {r} holds other parameters than rank 0 (name, shape, "
+                                   f"dim, dtype: {diff}); every rank must shard the same model alike")
 
     def _check_shards(self) -> None:
         """Each parameter still this rank's part of its whole shape (a shard replaced by a
@@ -272,7 +274,7 @@ class Sharded:
         if cut:
             self._wait(self.comm.Iallgatherv([send.numpy(), MPI.BYTE], [recv.numpy(), counts, displs, MPI.BYTE]),
                        "all-gather of the shards")
-        out, at = [], list(displs)
+        out, where = [], list(displs)
         for s, t in zip(specs, tensors):
             if s.dim is None:
                 out.append(t.view_as(t))
@@ -280,54 +282,61 @@ class Sharded:
             parts = []
             for r in range(self.ranks):
                 n = s.nbytes(self.ranks, r)
-                parts.append(recv[at[r]:at[r] + n].view(s.dtype).view(s.part(self.ranks, r)))
-                at[r] += _padded(n)
+                parts.append(recv[where[r]:where[r] + n].view(s.dtype).view(s.part(self.ranks, r)))
+                where[r] += _padded(n)
             out.append(torch.cat(parts, dim=s.dim))
         return out
 
-    def _reduced(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    def _reduced(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
         """The whole gradients (None: zero) reduced across the ranks (summed, or averaged): each
-        sharded one reduce-scattered to this rank's part, each whole one all-reduced."""
-        from mpi4py import MPI
+        sharded one reduce-scattered to this rank's part, each whole one all-reduced; in float32
+        (float64 for float64 parameters), one collective of each kind per such dtype."""
         specs = list(self.specs.values())
-        out: list[torch.Tensor | None] = [None] * len(specs)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, s in enumerate(specs):
             by_dtype.setdefault(_REDUCE_DTYPES.get(s.dtype, torch.float32), []).append(i)
+        out: dict[int, torch.Tensor] = {}
         for rdt, idx in by_dtype.items():
-            full = [grads[i] if grads[i] is not None else torch.zeros(specs[i].shape, dtype=rdt) for i in idx]
-            full = [g.to(rdt) for g in full]
-            cut = [(i, g) for i, g in zip(idx, full) if specs[i].dim is not None]
-            kept = [(i, g) for i, g in zip(idx, full) if specs[i].dim is None]
-            if cut:
-                blocks = [g[part_index(specs[i].shape, specs[i].dim, self.ranks, r)].reshape(-1)
-                          for r in range(self.ranks) for i, g in cut]
-                send = torch.cat(blocks) if blocks else torch.empty(0, dtype=rdt)
-                counts = [sum(int(np.prod(specs[i].part(self.ranks, r))) for i, _ in cut) for r in range(self.ranks)]
-                recv = torch.empty(counts[self.rank], dtype=rdt)
-                self._wait(self.comm.Ireduce_scatter(send.numpy(), recv.numpy(), counts, MPI.SUM),
-                           "reduce-scatter of the gradients")
-                at = 0
-                for i, _ in cut:
-                    shape = specs[i].part(self.ranks, self.rank)
-                    n = int(np.prod(shape))
-                    out[i] = recv[at:at + n].view(shape)
-                    at += n
-            if kept:
-                flat = torch.cat([g.reshape(-1) for _, g in kept])
-                self._wait(self.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), MPI.SUM),
-                           "all-reduce of the whole parameters' gradients")
-                at = 0
-                for i, _ in kept:
-                    n = int(np.prod(specs[i].shape))
-                    out[i] = flat[at:at + n].view(specs[i].shape)
-                    at += n
-        for i, s in enumerate(specs):
-            g = out[i]
-            assert g is not None
-            if self.reduce == "avg":
-                g = g / self.ranks
-            out[i] = g.to(s.dtype)
+            given = {i: grads[i] for i in idx}
+            whole = {i: torch.zeros(specs[i].shape, dtype=rdt) if g is None else g.to(rdt) for i, g in given.items()}
+            out.update(self._reduce_scatter({i: g for i, g in whole.items() if specs[i].dim is not None}, rdt))
+            out.update(self._all_reduce({i: g for i, g in whole.items() if specs[i].dim is None}))
+        scale = 1 / self.ranks if self.reduce == "avg" else 1
+        return [(out[i] * scale if scale != 1 else out[i]).to(s.dtype) for i, s in enumerate(specs)]
+
+    def _reduce_scatter(self, grads: dict[int, torch.Tensor], rdt: torch.dtype) -> dict[int, torch.Tensor]:
+        """Parameter i's whole gradient summed over the ranks, this rank's part of it, for each i."""
+        from mpi4py import MPI
+        if not grads:
+            return {}
+        specs = list(self.specs.values())
+        blocks = [g[part_index(specs[i].shape, specs[i].dim, self.ranks, r)].reshape(-1)
+                  for r in range(self.ranks) for i, g in grads.items()]
+        send = torch.cat(blocks)
+        counts = [sum(int(np.prod(specs[i].part(self.ranks, r))) for i in grads) for r in range(self.ranks)]
+        recv = torch.empty(counts[self.rank], dtype=rdt)
+        self._wait(self.comm.Ireduce_scatter(send.numpy(), recv.numpy(), counts, MPI.SUM),
+                   "reduce-scatter of the gradients")
+        out, at = {}, 0
+        for i in grads:
+            shape = specs[i].part(self.ranks, self.rank)
+            n = int(np.prod(shape))
+            out[i] = recv[at:at + n].view(shape)
+            at += n
+        return out
+
+    def _all_reduce(self, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Parameter i's whole gradient summed over the ranks, for each i."""
+        from mpi4py import MPI
+        if not grads:
+            return {}
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), MPI.SUM),
+                   "all-reduce of the whole parameters' gradients")
+        out, at = {}, 0
+        for i, g in grads.items():
+            out[i] = flat[at:at + g.numel()].view(g.shape)
+            at += g.numel()
         return out
 
     def _gathered_one(self, s: Spec, root: int | None) -> torch.Tensor | None:

@@ -1,0 +1,80 @@
+"""coconetc.torch.shard (docs/sharded_torch.md): a model's parameters kept sharded between steps
+in coconet's slicing convention, gathered for the forward, gradients reduce-scattered; whole
+tensors on demand; whole-tensor checkpoints saved on R ranks and loaded on R'; bad input refused on
+every rank before anything changes.
+
+The checks on ranks are tests/sharded_worker.py's modes, several to a job on the rank pool
+(tests/rank_checks.py), on 2 and 3 ranks, and on one rank in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rank_checks import check, launch
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("sharded_worker.py")
+TP_MLP = REPO / "examples" / "tp_mlp.ccn"
+ERRORS_EVERY_R = ["missing", "extra", "shape", "dtype", "not_a_dict"]
+ERRORS_SEVERAL_R = ["one_rank_missing", "wrong_part:forward", "wrong_part:full", "wrong_part:state_dict",
+                    "wrong_part:save", "fault_inside_gathered", "file_missing_on_one_rank", "save_fails_on_rank_0",
+                    "models_differ", "unknown_name"]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """examples/tp_mlp.ccn's tp_mlp with its derived program, built once into the session's
+    cache (the same module tests/test_torch_function.py builds), so that the ranks only import it."""
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file, with_grads
+    compile_cpu(with_grads(load_file(TP_MLP), ["tp_mlp"]), log=lambda msg: None)
+
+
+def labels(R: int, modes: list[str]) -> list[str]:
+    """The OK lines the worker's MODES print on R ranks."""
+    out = []
+    for mode in modes:
+        name, _, rest = mode.partition(":")
+        if name == "roundtrip":
+            out += [f"roundtrip:R{R}:{w}" for w in ("parts", "full", "gathered", "gathered_modifier_rank", "state_dict")]
+        elif name == "train":
+            out += [f"train:R{R}:sum", f"train:R{R}:avg"]
+        elif name == "save":
+            out.append(f"save:R{R}")
+        elif name == "load":
+            out.append(f"load:R{rest.rpartition(':')[2]}->R{R}")
+        elif name == "program":
+            out.append(f"program:R{R}:tp_mlp")
+        else:
+            out += [f"errors:R{R}:{e}" for e in ERRORS_EVERY_R + (ERRORS_SEVERAL_R if R > 1 else [])]
+    return out
+
+
+def _job(capfd, R: int, *modes: str) -> None:
+    rc, lines, log = launch(capfd, WORKER, R, *modes)
+    check(lines, log, labels(R, list(modes)))
+    assert rc == 0, log
+
+
+def test_sharded_on_1_2_3_ranks_and_checkpoints_across_them(built, capfd, tmp_path):
+    """Each rank count: parts, gathers and state dicts of uneven shapes; 3 AdamW steps against one
+    process; shards passed to a compiled program; every bad input. Checkpoints: saved on 2 ranks,
+    loaded on 3 and 1; saved on 3, loaded on 2 and 1."""
+    c2, c3 = tmp_path / "two" / "ckpt.pt", tmp_path / "three" / "ckpt.pt"
+    c2.parent.mkdir()
+    c3.parent.mkdir()
+    _job(capfd, 2, "roundtrip", "train", "program", f"save:{c2}", "errors")
+    _job(capfd, 3, f"load:{c2}:2", "roundtrip", "train", "program", f"save:{c3}", "errors")
+    _job(capfd, 2, f"load:{c3}:3")
+    from mpi4py import MPI
+
+    import sharded_worker
+    modes = [f"load:{c2}:2", f"load:{c3}:3", "roundtrip", "train", "errors"]
+    capfd.readouterr()
+    rc = sharded_worker.run(modes, MPI.COMM_WORLD)  # one rank: this process
+    out = capfd.readouterr().out
+    check(out.splitlines(), out, labels(1, modes))
+    assert rc == 0, out
