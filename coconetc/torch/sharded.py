@@ -19,66 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
 
-from coconetc.ir.slices import slice_range
-
-T = TypeVar("T")
-_ALIGN = 16  # bytes: every tensor's place in an exchanged buffer, so that views of it are aligned
-_KEPT_TYPES = {c.__name__: c for c in (ValueError, TypeError, KeyError, RuntimeError, OSError,
-                                       FileNotFoundError, PermissionError, IsADirectoryError)}
-_REDUCE_DTYPES = {torch.float64: torch.float64}  # every other float is reduced in float32
-
-
-def part_index(shape: tuple[int, ...], dim: int | None, ranks: int, rank: int) -> tuple[slice, ...]:
-    """The index of rank's part of a whole tensor of SHAPE sharded along DIM (None: all of it)."""
-    if dim is None:
-        return tuple(slice(0, n) for n in shape)
-    lo, hi = slice_range(shape[dim], ranks, rank)
-    return tuple(slice(lo, hi) if d == dim else slice(0, n) for d, n in enumerate(shape))
-
-
-def part_shape(shape: tuple[int, ...], dim: int | None, ranks: int, rank: int) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in part_index(shape, dim, ranks, rank))
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One parameter: its name (the first in module.named_parameters()), whole shape, the dim
-    it is sharded along (None: kept whole on every rank) and dtype."""
-    name: str
-    shape: tuple[int, ...]
-    dim: int | None
-    dtype: torch.dtype
-
-    def part(self, ranks: int, rank: int) -> tuple[int, ...]:
-        return part_shape(self.shape, self.dim, ranks, rank)
-
-    def nbytes(self, ranks: int, rank: int) -> int:
-        return int(np.prod(self.part(ranks, rank))) * self.dtype.itemsize
-
-    def key(self) -> tuple:
-        return self.name, self.shape, self.dim, str(self.dtype)
-
-
-def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _raised(label: str, failed: list[tuple[int, tuple]]) -> Exception:
-    """The exception every rank raises when some ranks failed: the first failing rank's type
-    (where it is a built-in one), its message and every failing rank named."""
-    kinds = {x[1] for _, x in failed}
-    cls = _KEPT_TYPES.get(failed[0][1][1], RuntimeError) if len(kinds) == 1 else RuntimeError
-    text = "; ".join(f"rank {r} failed: {x[1]}: {x[2]}" for r, x in failed)
-    return cls(f"{label}: {text}")
-
+from coconetc.torch.parts import Parts, Spec, part_index
 
 class _Gather(torch.autograd.Function):
     """Forward: the whole tensors of every parameter (the sharded ones all-gathered, the whole
@@ -95,7 +42,7 @@ class _Gather(torch.autograd.Function):
         return (None, *ctx.sharded._reduced(grads))
 
 
-class Sharded:
+class Sharded(Parts):
     """The handle of a module whose parameters `shard()` sharded: see the module's doc and
     docs/sharded_torch.md."""
 
@@ -110,19 +57,20 @@ class Sharded:
                             f"(default MPI.COMM_WORLD), got {torch.typename(comm)}")
         if reduce not in ("avg", "sum"):
             raise ValueError(f"coconetc.torch.shard: reduce must be 'avg' (as DDP and FSDP) or 'sum', got {reduce!r}")
-        self.module, self.comm, self.reduce = module, comm, reduce
-        self.rank, self.ranks = comm.Get_rank(), comm.Get_size()
-        self._params: dict[str, torch.nn.Parameter] = {}
+        if isinstance(getattr(module, "_coconet_sharded", None), Sharded):
+            raise ValueError("coconetc.torch.shard: the module is sharded already (its Sharded handle: "
+                             "module._coconet_sharded)")
+        super().__init__(comm, reduce)
+        self.module = module
         self._owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         self._keys: dict[str, str] = {}  # state_dict key -> parameter name (tied ones: several keys)
-        self._shards: dict[str, torch.Tensor] = {}
-        self._gathering = False
         self.specs = self._agree("shard()", lambda: self._specs(dim, dims, params, min_numel), check=False)
         with torch.no_grad():
             for s in self.specs.values():
                 p = self._params[s.name]
                 p.data = p.data[part_index(s.shape, s.dim, self.ranks, self.rank)].clone()
                 p.grad = None
+        object.__setattr__(module, "_coconet_sharded", self)
         self._hooks = [module.register_forward_pre_hook(self._before_forward),
                        module.register_forward_hook(self._after_forward, always_call=True)]
 
@@ -167,200 +115,6 @@ class Sharded:
                                  f"parameters are sharded (their gradients are reduced)")
         return Spec(name, tuple(p.shape), dim, p.dtype)
 
-    @property
-    def sharded(self) -> list[str]:
-        """The names of the sharded parameters (the others are kept whole on every rank)."""
-        return [s.name for s in self.specs.values() if s.dim is not None]
-
-    def dim(self, name: str) -> int | None:
-        """The dim parameter NAME is sharded along (None: kept whole)."""
-        return self._spec_of(name).dim
-
-    def index(self, name: str, rank: int | None = None) -> tuple[slice, ...]:
-        """The index of rank's (default: this rank's) part of parameter NAME's whole tensor:
-        `whole[sharded.index(name)]` is what the rank holds."""
-        s = self._spec_of(name)
-        return part_index(s.shape, s.dim, self.ranks, self.rank if rank is None else rank)
-
-    def local(self, name: str) -> torch.nn.Parameter:
-        """This rank's part of parameter NAME: the Parameter the optimizer steps (a `.ccn`
-        program's `sliced(d)` argument as it is)."""
-        self._spec_of(name)
-        return self._params[name]
-
-    def _spec_of(self, name: str) -> Spec:
-        if name not in self.specs:
-            raise KeyError(f"coconetc.torch.Sharded: no parameter {name!r} (there are "
-                           f"{', '.join(map(repr, self.specs))})")
-        return self.specs[name]
-
-    # --- agreeing before communicating ---------------------------------------------------------
-    def _agree(self, what: str, local: Callable[[], T], check: bool = True) -> T:
-        """local() on this rank (after the shards' check), then every rank's outcome exchanged
-        under the watchdog: any rank's error raises on every rank, naming the rank; ranks whose
-        parameters differ raise on every rank, naming the first that differs."""
-        from coconetc.runtime import agree
-        label = f"coconetc.torch.Sharded.{what}"
-        out: Any = None
-        try:
-            if check:
-                self._check_shards()
-            out = local()
-            mine: tuple = ("ok", agree.digest([s.key() for s in self.specs.values()]) if check else
-                           agree.digest([s.key() for s in out.values()]))
-        except Exception as err:  # noqa: BLE001 - any failure here is every rank's to know
-            mine = ("error", type(err).__name__, str(err))
-            failure: Exception | None = err
-        else:
-            failure = None
-        everyone = agree.exchange(self.comm, mine, label, agree.timeout_s())
-        failed = [(r, x) for r, x in enumerate(everyone) if x[0] == "error"]
-        if failed:
-            raise _raised(label, failed) from failure
-        if any(x != mine for x in everyone):
-            specs = out if not check else self.specs
-            self._differ(label, [s.key() for s in specs.values()])
-        return out
-
-    def _differ(self, label: str, mine: list[tuple]) -> None:
-        """Raises, on every rank, the same error naming the first rank whose parameters are not
-        rank 0's and the first that differs."""
-        from coconetc.runtime import agree
-        everyone = agree.exchange(self.comm, mine, label, agree.timeout_s())
-        for r, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                diff = next((f"{b!r} on rank {r}, {a!r} on rank 0" for a, b in zip(everyone[0], theirs) if a != b),
-                            f"{len(theirs)} parameters on rank {r}, {len(everyone[0])} on rank 0")
-                raise RuntimeError(f"{label}: rank {r} holds other parameters than rank 0 (name, shape, "
-                                   f"dim, dtype: {diff}); every rank must shard the same model alike")
-
-    def _check_shards(self) -> None:
-        """Each parameter still this rank's part of its whole shape (a shard replaced by a
-        tensor of another shape or dtype is refused here, naming it)."""
-        for s in self.specs.values():
-            p = self._params[s.name]
-            want = s.part(self.ranks, self.rank)
-            if tuple(p.shape) != want or p.dtype != s.dtype:
-                raise ValueError(f"parameter {s.name!r}: this rank holds a {p.dtype} tensor shaped "
-                                 f"{tuple(p.shape)}; its part of the whole {tuple(s.shape)} "
-                                 f"(dim {s.dim} on {self.ranks} ranks) is {s.dtype} shaped {want}")
-
-    def _wait(self, req: Any, what: str) -> None:
-        from coconetc.runtime import agree
-        from coconetc.runtime.watchdog import Watchdog
-        calls = agree.channel(self.comm) if self.ranks > 1 else None
-        if calls is not None:
-            calls.n += 1
-        Watchdog(self.comm, f"coconetc.torch.Sharded.{what}", agree.timeout_s(), None,
-                 calls.n if calls else 0).wait(req)
-
-    # --- the collectives -----------------------------------------------------------------------
-    def _whole(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every parameter's whole tensor from every rank's parts (one all-gather of bytes; the
-        whole parameters returned as they are)."""
-        from mpi4py import MPI
-        specs = list(self.specs.values())
-        cut = [s for s in specs if s.dim is not None]
-        counts = [sum(_padded(s.nbytes(self.ranks, r)) for s in cut) for r in range(self.ranks)]
-        displs = [sum(counts[:r]) for r in range(self.ranks)]
-        send = torch.zeros(counts[self.rank], dtype=torch.uint8)
-        at = 0
-        for s, t in zip(specs, tensors):
-            if s.dim is not None:
-                n = s.nbytes(self.ranks, self.rank)
-                send[at:at + n] = t.detach().contiguous().reshape(-1).view(torch.uint8)
-                at += _padded(n)
-        recv = torch.empty(sum(counts), dtype=torch.uint8)
-        if cut:
-            self._wait(self.comm.Iallgatherv([send.numpy(), MPI.BYTE], [recv.numpy(), counts, displs, MPI.BYTE]),
-                       "all-gather of the shards")
-        out, where = [], list(displs)
-        for s, t in zip(specs, tensors):
-            if s.dim is None:
-                out.append(t.view_as(t))
-                continue
-            parts = []
-            for r in range(self.ranks):
-                n = s.nbytes(self.ranks, r)
-                parts.append(recv[where[r]:where[r] + n].view(s.dtype).view(s.part(self.ranks, r)))
-                where[r] += _padded(n)
-            out.append(torch.cat(parts, dim=s.dim))
-        return out
-
-    def _reduced(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
-        """The whole gradients (None: zero) reduced across the ranks (summed, or averaged): each
-        sharded one reduce-scattered to this rank's part, each whole one all-reduced; in float32
-        (float64 for float64 parameters), one collective of each kind per such dtype."""
-        specs = list(self.specs.values())
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, s in enumerate(specs):
-            by_dtype.setdefault(_REDUCE_DTYPES.get(s.dtype, torch.float32), []).append(i)
-        out: dict[int, torch.Tensor] = {}
-        for rdt, idx in by_dtype.items():
-            given = {i: grads[i] for i in idx}
-            whole = {i: torch.zeros(specs[i].shape, dtype=rdt) if g is None else g.to(rdt) for i, g in given.items()}
-            out.update(self._reduce_scatter({i: g for i, g in whole.items() if specs[i].dim is not None}, rdt))
-            out.update(self._all_reduce({i: g for i, g in whole.items() if specs[i].dim is None}))
-        scale = 1 / self.ranks if self.reduce == "avg" else 1
-        return [(out[i] * scale if scale != 1 else out[i]).to(s.dtype) for i, s in enumerate(specs)]
-
-    def _reduce_scatter(self, grads: dict[int, torch.Tensor], rdt: torch.dtype) -> dict[int, torch.Tensor]:
-        """Parameter i's whole gradient summed over the ranks, this rank's part of it, for each i."""
-        from mpi4py import MPI
-        if not grads:
-            return {}
-        specs = list(self.specs.values())
-        blocks = [g[part_index(specs[i].shape, specs[i].dim, self.ranks, r)].reshape(-1)
-                  for r in range(self.ranks) for i, g in grads.items()]
-        send = torch.cat(blocks)
-        counts = [sum(int(np.prod(specs[i].part(self.ranks, r))) for i in grads) for r in range(self.ranks)]
-        recv = torch.empty(counts[self.rank], dtype=rdt)
-        self._wait(self.comm.Ireduce_scatter(send.numpy(), recv.numpy(), counts, MPI.SUM),
-                   "reduce-scatter of the gradients")
-        out, at = {}, 0
-        for i in grads:
-            shape = specs[i].part(self.ranks, self.rank)
-            n = int(np.prod(shape))
-            out[i] = recv[at:at + n].view(shape)
-            at += n
-        return out
-
-    def _all_reduce(self, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Parameter i's whole gradient summed over the ranks, for each i."""
-        from mpi4py import MPI
-        if not grads:
-            return {}
-        flat = torch.cat([g.reshape(-1) for g in grads.values()])
-        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), MPI.SUM),
-                   "all-reduce of the whole parameters' gradients")
-        out, at = {}, 0
-        for i, g in grads.items():
-            out[i] = flat[at:at + g.numel()].view(g.shape)
-            at += g.numel()
-        return out
-
-    def _gathered_one(self, s: Spec, root: int | None) -> torch.Tensor | None:
-        """Parameter s's whole tensor on every rank (root None) or on rank root alone."""
-        from mpi4py import MPI
-        part = self._params[s.name].detach()
-        if s.dim is None:
-            return part.clone()
-        counts = [s.nbytes(self.ranks, r) for r in range(self.ranks)]
-        displs = [sum(counts[:r]) for r in range(self.ranks)]
-        recv = torch.empty(sum(counts), dtype=torch.uint8) if root in (None, self.rank) else None
-        send = [part.contiguous().reshape(-1).view(torch.uint8).numpy(), MPI.BYTE]
-        spec = [recv.numpy(), counts, displs, MPI.BYTE] if recv is not None else None
-        if root is None:
-            req = self.comm.Iallgatherv(send, spec)
-        else:
-            req = self.comm.Igatherv(send, spec, root=root)
-        self._wait(req, f"gather of {s.name!r}")
-        if recv is None:
-            return None
-        parts = [recv[d:d + c].clone().view(s.dtype).view(s.part(self.ranks, r))
-                 for r, (d, c) in enumerate(zip(displs, counts))]
-        return torch.cat(parts, dim=s.dim)
-
     # --- forward and backward ------------------------------------------------------------------
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._gathering:  # inside gathered(): the whole tensors are already there
@@ -381,15 +135,6 @@ class Sharded:
         return None
 
     # --- whole tensors on demand ---------------------------------------------------------------
-    def full(self, name: str) -> torch.Tensor:
-        """Parameter NAME's whole tensor, a new one on every rank (collective: every rank calls
-        it together; DTensor.full_tensor())."""
-        s = self._spec_of(name)
-        self._agree(f"full({name!r})", lambda: None)
-        whole = self._gathered_one(s, None)
-        assert whole is not None
-        return whole
-
     @contextlib.contextmanager
     def gathered(self, modifier_rank: int | None = None) -> Iterator[None]:
         """Inside: every parameter of the module whole on every rank (the same Parameter
@@ -445,33 +190,6 @@ class Sharded:
         if err is not None:
             raise err
 
-    def _scattered(self, wholes: dict[str, torch.Tensor], root: int) -> dict[str, torch.Tensor]:
-        """Each rank's part of rank root's whole tensors (one scatter of bytes); the whole
-        parameters' values too (a broadcast in the same scatter: every rank's part is all of it)."""
-        from mpi4py import MPI
-        specs = list(self.specs.values())
-        counts = [sum(_padded(s.nbytes(self.ranks, r)) for s in specs) for r in range(self.ranks)]
-        displs = [sum(counts[:r]) for r in range(self.ranks)]
-        send = None
-        if self.rank == root:
-            send = torch.zeros(sum(counts), dtype=torch.uint8)
-            for r in range(self.ranks):
-                at = displs[r]
-                for s in specs:
-                    n = s.nbytes(self.ranks, r)
-                    piece = wholes[s.name][part_index(s.shape, s.dim, self.ranks, r)]
-                    send[at:at + n] = piece.contiguous().reshape(-1).view(torch.uint8)
-                    at += _padded(n)
-        recv = torch.empty(counts[self.rank], dtype=torch.uint8)
-        spec = [send.numpy(), counts, displs, MPI.BYTE] if send is not None else None
-        self._wait(self.comm.Iscatterv(spec, [recv.numpy(), MPI.BYTE], root=root), "scatter of the whole tensors")
-        out, at = {}, 0
-        for s in specs:
-            n = s.nbytes(self.ranks, self.rank)
-            out[s.name] = recv[at:at + n].view(s.dtype).view(s.part(self.ranks, self.rank))
-            at += _padded(n)
-        return out
-
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's state dict with every tensor whole (the keys and shapes of the module
@@ -487,7 +205,7 @@ class Sharded:
             if name is None:
                 out[key] = t.clone()  # a buffer: the same on every rank
                 continue
-            whole = self._gathered_one(self.specs[name], root)
+            whole = self._gathered_one(self.specs[name], self._params[name], root)
             if whole is not None:
                 out[key] = whole
         return out if root in (None, self.rank) else {}
