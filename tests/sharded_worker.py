@@ -17,11 +17,16 @@ MODE save:PATH        the checkpoint model sharded here, saved to PATH: the file
                       model's state dict exactly, and no temporary file is left
 MODE load:PATH:R      PATH (saved on R ranks) loaded into another model sharded here: its whole
                       tensors are the file's and the unsharded model's, each part is its slice
+MODE opt_save:PATH    2 AdamW steps of the training model, saved with its optimizer: the file's
+                      whole parameters and AdamW state are one process's (1e-5), keyed by name
+MODE opt_load:PATH:R  PATH (saved on R ranks) loaded with a fresh AdamW (another lr) here, one more
+                      step: the parameters of one process's 3 steps, step count 3, the saved lr
 MODE program         a model holding examples/tp_mlp.ccn's weights sharded as the program slices
                       them (w1 along dim 1, b1 and w2 along dim 0, b2 whole): the parts passed as
                       they are to the compiled tp_mlp give the unsharded model's output, and its
                       gradients of the parts
-MODE errors           bad checkpoints (missing, extra, wrong shape, wrong dtype, on one rank only),
+MODE errors           (after a save) bad checkpoints (missing, extra, wrong shape, wrong dtype, on
+                      one rank only; an optimizer state of the wrong shape or parameters, none saved),
                       a part of the wrong shape on one rank, a rank failing inside gathered(), a
                       file missing on one rank, a failed save, models that differ: raised on every
                       rank, naming the parameter (and the rank), nothing changed"""
@@ -40,6 +45,7 @@ import coconetc.torch as ct
 from coconetc.ir.slices import slice_range
 
 TOL = 1e-5
+B = 7  # rows of each step's batch: uneven parts on 2 and 3 ranks
 TP_MLP = Path(__file__).resolve().parents[1] / "examples" / "tp_mlp.ccn"
 
 
@@ -71,6 +77,10 @@ def make_model(seed: int) -> torch.nn.Module:
         m[1].bias.add_(torch.randn(13) * 0.1)
     m.register_buffer("scale", torch.arange(3.0) + seed)
     return m
+
+
+def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 MODEL_SHARDING = dict(min_numel=10, dims={"3.weight": 1})  # 3.bias (5 elements) stays whole
@@ -161,23 +171,39 @@ class Worker:
         for reduce in ("sum", "avg"):
             self.check(f"train:R{self.R}:{reduce}", lambda reduce=reduce: self._train(reduce))
 
+    def _batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Step t's batch (the same on every rank and in one process) and this rank's rows."""
+        gen = torch.Generator().manual_seed(100 + t)
+        lo, hi = slice_range(B, self.R, self.rank)
+        return torch.randn(B, 7, generator=gen), torch.randn(B, 5, generator=gen), lo, hi
+
+    def _step(self, m: torch.nn.Module, opt: torch.optim.Optimizer, t: int, scale: int = 1) -> torch.Tensor:
+        """One step of the sharded model on this rank's rows: its loss (the ranks' add up to the
+        batch's), backward scaled by SCALE (R under reduce="avg": the average is then the sum)."""
+        x, y, lo, hi = self._batch(t)
+        opt.zero_grad()
+        mine = ((m(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B
+        (mine * scale).backward()
+        return mine
+
+    def _ref_step(self, ref: torch.nn.Module, ropt: torch.optim.Optimizer, t: int, step: bool = True) -> torch.Tensor:
+        x, y, _, _ = self._batch(t)
+        ropt.zero_grad()
+        loss = ((ref(x) - y) ** 2).sum() / B
+        loss.backward()
+        if step:
+            ropt.step()
+        return loss
+
     def _train(self, reduce: str) -> str | None:
-        R, rank, B = self.R, self.rank, 7
+        R, rank = self.R, self.rank
         m, ref = make_model(0), make_model(0)
         sh = ct.shard(m, reduce=reduce, **MODEL_SHARDING)  # type: ignore[arg-type]
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        lo, hi = slice_range(B, R, rank)
+        opt, ropt = adamw(m), adamw(ref)
         errs = []
         for t in range(3):
-            gen = torch.Generator().manual_seed(100 + t)
-            x, y = torch.randn(B, 7, generator=gen), torch.randn(B, 5, generator=gen)
-            opt.zero_grad()
-            ropt.zero_grad()
-            mine = ((m(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B  # the ranks' losses add up to the batch's
-            (mine * (R if reduce == "avg" else 1)).backward()
-            loss = ((ref(x) - y) ** 2).sum() / B
-            loss.backward()
+            mine = self._step(m, opt, t, R if reduce == "avg" else 1)
+            loss = self._ref_step(ref, ropt, t, step=False)
             errs.append(abs(self.comm.allreduce(mine.item()) - loss.item()))
             rp = dict(ref.named_parameters())
             errs += [(p.grad - part(rp[n].grad, sh.dim(n), R, rank)).abs().max().item()
@@ -193,6 +219,48 @@ class Worker:
         if not all(shapes):
             return "the optimizer's state is not shaped like the parts"
         return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+
+    # --- the optimizer's state in checkpoints --------------------------------------------------
+    def opt_save(self, path: str) -> None:
+        def run() -> str | None:
+            m, ref = make_model(0), make_model(0)
+            sh = ct.shard(m, reduce="sum", **MODEL_SHARDING)  # type: ignore[arg-type]
+            opt, ropt = adamw(m), adamw(ref)
+            for t in range(2):
+                self._step(m, opt, t)
+                opt.step()
+                self._ref_step(ref, ropt, t)
+            sh.save(path, optimizer=opt)
+            if self.rank != 0:
+                return None
+            file = torch.load(path, weights_only=True)
+            got, names = file["optimizer"], [n for n, _ in ref.named_parameters()]
+            if got["param_groups"][0]["params"] != names or got["param_groups"][0]["lr"] != 1e-2:
+                return f"param groups {got['param_groups']}"
+            errs = [(file["model"][k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+            for n, p in ref.named_parameters():
+                want = ropt.state[p]
+                errs += [(got["state"][n][k] - want[k]).abs().max().item() for k in ("exp_avg", "exp_avg_sq", "step")]
+            return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+        self.check(f"opt_save:R{self.R}", run)
+
+    def opt_load(self, path: str, saved_on: str) -> None:
+        def run() -> str | None:
+            m, ref = make_model(5), make_model(0)
+            sh = ct.shard(m, reduce="sum", **MODEL_SHARDING)  # type: ignore[arg-type]
+            opt, ropt = torch.optim.AdamW(m.parameters(), lr=0.5), adamw(ref)
+            sh.load(path, optimizer=opt)  # the parameters, their AdamW state and the hyperparameters
+            self._step(m, opt, 2)
+            opt.step()
+            for t in range(3):
+                self._ref_step(ref, ropt, t)
+            whole = sh.state_dict(rank0_only=False)
+            errs = [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+            steps = {float(opt.state[p]["step"]) for p in m.parameters()}
+            if steps != {3.0} or opt.param_groups[0]["weight_decay"] != 0.1:
+                return f"steps {steps}, group {opt.param_groups[0]}"
+            return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+        self.check(f"opt_load:R{saved_on}->R{self.R}", run)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -289,6 +357,19 @@ class Errors:
         self.refused("dtype", lambda: sh.load_state_dict({**good, "1.weight": good["1.weight"].double()}),
                      ValueError, ["'1.weight'", "torch.float64", "torch.float32"])
         self.refused("not_a_dict", lambda: sh.load_state_dict([1, 2]), TypeError, ["list"])  # type: ignore[arg-type]
+        opt = adamw(self.m)
+        names = [n for n, _ in self.m.named_parameters()]
+        state = {"state": {"0.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(13, 6),
+                                        "exp_avg_sq": torch.zeros(13, 7)}},
+                 "param_groups": [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": names}]}
+        self.refused("optim_shape", lambda: sh.load_optim_state_dict(opt, state), ValueError,
+                     ["'exp_avg' of '0.weight'", "(13, 6)", "(13, 7)"])
+        wrong = {**state, "param_groups": [{**state["param_groups"][0], "params": names[::-1]}]}
+        self.refused("optim_params", lambda: sh.load_optim_state_dict(opt, wrong), ValueError,
+                     ["param group 0", "'3.bias'"])
+        self.refused("optim_not_in_file", lambda: sh.load(SELF, optimizer=opt), ValueError,
+                     ["holds no optimizer state"])
+        self.w.check(f"errors:R{self.R}:optim_unchanged", lambda: f"state {list(opt.state)}" if opt.state else None)
 
     def wrong_part(self, call: Callable[[], object]) -> Callable[[], object]:
         """CALL with the last rank's part of 0.weight one row too long."""
@@ -350,6 +431,11 @@ def run(argv: list[str], comm) -> int:
         elif name == "load":
             path, _, saved_on = rest.rpartition(":")
             w.load(path, saved_on)
+        elif name == "opt_save":
+            w.opt_save(rest)
+        elif name == "opt_load":
+            path, _, saved_on = rest.rpartition(":")
+            w.opt_load(path, saved_on)
         elif name == "program":
             w.program()
         elif name == "errors":

@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TP_MLP = REPO / "examples" / "tp_mlp.ccn"
-ERRORS_EVERY_R = ["missing", "extra", "shape", "dtype", "not_a_dict"]
+ERRORS_EVERY_R = ["missing", "extra", "shape", "dtype", "not_a_dict", "optim_shape", "optim_params",
+                  "optim_not_in_file", "optim_unchanged"]
 ERRORS_SEVERAL_R = ["one_rank_missing", "wrong_part:forward", "wrong_part:full", "wrong_part:state_dict",
                     "wrong_part:save", "fault_inside_gathered", "file_missing_on_one_rank", "save_fails_on_rank_0",
                     "models_differ", "unknown_name"]
@@ -46,6 +47,10 @@ def labels(R: int, modes: list[str]) -> list[str]:
             out.append(f"save:R{R}")
         elif name == "load":
             out.append(f"load:R{rest.rpartition(':')[2]}->R{R}")
+        elif name == "opt_save":
+            out.append(f"opt_save:R{R}")
+        elif name == "opt_load":
+            out.append(f"opt_load:R{rest.rpartition(':')[2]}->R{R}")
         elif name == "program":
             out.append(f"program:R{R}:tp_mlp")
         else:
@@ -61,18 +66,23 @@ def _job(capfd, R: int, *modes: str) -> None:
 
 def test_sharded_on_1_2_3_ranks_and_checkpoints_across_them(built, capfd, tmp_path):
     """Each rank count: parts, gathers and state dicts of uneven shapes; 3 AdamW steps against one
-    process; shards passed to a compiled program; every bad input. Checkpoints: saved on 2 ranks,
-    loaded on 3 and 1; saved on 3, loaded on 2 and 1."""
-    c2, c3 = tmp_path / "two" / "ckpt.pt", tmp_path / "three" / "ckpt.pt"
-    c2.parent.mkdir()
-    c3.parent.mkdir()
-    _job(capfd, 2, "roundtrip", "train", "program", f"save:{c2}", "errors")
-    _job(capfd, 3, f"load:{c2}:2", "roundtrip", "train", "program", f"save:{c3}", "errors")
-    _job(capfd, 2, f"load:{c3}:3")
+    process; shards passed to a compiled program; every bad input. Checkpoints of the parameters
+    (c) and of the parameters with AdamW's state after 2 steps (o), continued for a third step:
+    saved on 2 ranks, loaded on 3 and 1; saved on 3, loaded on 2 and 1."""
+    d = {R: tmp_path / f"r{R}" for R in (1, 2, 3)}
+    for p in d.values():
+        p.mkdir()
+    c = {R: d[R] / "ckpt.pt" for R in d}
+    o = {R: d[R] / "with_optimizer.pt" for R in d}
+    _job(capfd, 2, "roundtrip", "train", "program", f"save:{c[2]}", f"opt_save:{o[2]}", "errors")
+    _job(capfd, 3, f"load:{c[2]}:2", f"opt_load:{o[2]}:2", "roundtrip", "train", "program", f"save:{c[3]}",
+         f"opt_save:{o[3]}", "errors")
+    _job(capfd, 2, f"load:{c[3]}:3", f"opt_load:{o[3]}:3")
     from mpi4py import MPI
 
     import sharded_worker
-    modes = [f"load:{c2}:2", f"load:{c3}:3", "roundtrip", "train", "errors"]
+    modes = [f"load:{c[2]}:2", f"load:{c[3]}:3", f"opt_load:{o[2]}:2", f"opt_load:{o[3]}:3", "roundtrip", "train",
+             f"save:{c[1]}", "errors"]
     capfd.readouterr()
     rc = sharded_worker.run(modes, MPI.COMM_WORLD)  # one rank: this process
     out = capfd.readouterr().out

@@ -107,31 +107,32 @@ class Parts:
         return self.specs[name]
 
     # --- agreeing before communicating ---------------------------------------------------------
-    def _agree(self, what: str, local: Callable[[], T], check: bool = True) -> T:
-        """local() on this rank (after the shards' check), then every rank's outcome exchanged
-        under the watchdog: any rank's error raises on every rank, naming the rank; ranks whose
-        parameters differ raise on every rank, naming the first that differs."""
+    def _agree(self, what: str, local: Callable[[], T], check: bool = True,
+               describe: Callable[[T], list[tuple]] | None = None,
+               words: str = "parameters (name, shape, dim, dtype)") -> T:
+        """local() on this rank (after the parts' check, unless not CHECK), then every rank's
+        outcome exchanged under the watchdog: any rank's error raises on every rank, naming the
+        rank; ranks whose description (DESCRIBE(local()), default the parameters' specs)
+        differs raise on every rank, naming the first rank and item that differ from rank 0's."""
         from coconetc.runtime import agree
         label = f"coconetc.torch.Sharded.{what}"
         out: Any = None
+        items: list[tuple] = []
+        failure: Exception | None = None
         try:
             if check:
                 self._check_shards()
             out = local()
-            mine: tuple = ("ok", agree.digest([s.key() for s in self.specs.values()]) if check else
-                           agree.digest([s.key() for s in out.values()]))
+            items = describe(out) if describe is not None else [s.key() for s in self.specs.values()]
+            mine: tuple = ("ok", agree.digest(items))
         except Exception as err:  # noqa: BLE001 - any failure here is every rank's to know
-            mine = ("error", type(err).__name__, str(err))
-            failure: Exception | None = err
-        else:
-            failure = None
+            mine, failure = ("error", type(err).__name__, str(err)), err
         everyone = agree.exchange(self.comm, mine, label, agree.timeout_s())
         failed = [(r, x) for r, x in enumerate(everyone) if x[0] == "error"]
         if failed:
             raise raised(label, failed) from failure
         if any(x != mine for x in everyone):
-            specs = out if not check else self.specs
-            self._differ(label, [s.key() for s in specs.values()])
+            self._differ(label, items, words)
         return out
 
     def _check_shards(self) -> None:
@@ -156,17 +157,17 @@ class Parts:
         assert whole is not None
         return whole
 
-    def _differ(self, label: str, mine: list[tuple]) -> None:
-        """Raises, on every rank, the same error naming the first rank whose parameters are not
-        rank 0's and the first that differs."""
+    def _differ(self, label: str, mine: list[tuple], words: str) -> None:
+        """Raises, on every rank, the same error naming the first rank whose items are not rank
+        0's and the first item that differs."""
         from coconetc.runtime import agree
         everyone = agree.exchange(self.comm, mine, label, agree.timeout_s())
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 diff = next((f"{b!r} on rank {r}, {a!r} on rank 0" for a, b in zip(everyone[0], theirs) if a != b),
-                            f"{len(theirs)} parameters on rank {r}, {len(everyone[0])} on rank 0")
-                raise RuntimeError(f"{label}: rank {r} holds other parameters than rank 0 (name, shape, "
-                                   f"dim, dtype: {diff}); every rank must shard the same model alike")
+                            f"{len(theirs)} on rank {r}, {len(everyone[0])} on rank 0")
+                raise RuntimeError(f"{label}: rank {r} holds other {words} than rank 0 ({diff}); every rank "
+                                   f"must shard the same model alike and call this together")
 
     def _wait(self, req: Any, what: str) -> None:
         from coconetc.runtime import agree

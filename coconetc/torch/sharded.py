@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from coconetc.torch import optim_state
 from coconetc.torch.parts import Parts, Spec, part_index
 
 class _Gather(torch.autograd.Function):
@@ -64,7 +65,8 @@ class Sharded(Parts):
         self.module = module
         self._owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         self._keys: dict[str, str] = {}  # state_dict key -> parameter name (tied ones: several keys)
-        self.specs = self._agree("shard()", lambda: self._specs(dim, dims, params, min_numel), check=False)
+        self.specs = self._agree("shard()", lambda: self._specs(dim, dims, params, min_numel), check=False,
+                                 describe=lambda specs: [s.key() for s in specs.values()])
         with torch.no_grad():
             for s in self.specs.values():
                 p = self._params[s.name]
@@ -258,24 +260,52 @@ class Sharded(Parts):
         and nothing is changed. Collective."""
         self._copy(self._agree("load_state_dict()", lambda: self._parts_of(state_dict)))
 
-    def save(self, path: str | os.PathLike) -> None:
-        """state_dict() written by rank 0 with torch.save to a temporary file in the same
-        directory, then renamed to PATH (atomic: PATH is the old file or the whole new one,
-        never half of one). A failure on rank 0 raises on every rank. Collective."""
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = True) -> dict[str, Any]:
+        """OPTIMIZER's state (a torch optimizer stepping this module's parameters) with whole
+        tensors, keyed by parameter name: {"state": {name: {...}}, "param_groups": [{...,
+        "params": [names]}]}; on rank 0 only ({} elsewhere) or on every rank (coconetc/torch/
+        optim_state.py). Collective."""
+        return optim_state.optim_state_dict(self, optimizer, rank0_only)
+
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Loads a whole optimizer state (optim_state_dict() on any number of ranks), given on
+        every rank, into OPTIMIZER, each rank keeping its part; checked and agreed first.
+        Collective."""
+        optim_state.load_optim_state_dict(self, optimizer, state_dict)
+
+    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """state_dict() (and, with OPTIMIZER, {"model": state_dict(), "optimizer":
+        optim_state_dict(optimizer)}) written by rank 0 with torch.save to a temporary file in
+        the same directory, then renamed to PATH (atomic: PATH is the old file or the whole new
+        one, never half of one). A failure on rank 0 raises on every rank. Collective."""
         path = Path(path)
-        whole = self.state_dict(rank0_only=True)
+        whole: dict[str, Any] = self.state_dict(rank0_only=True)
+        if optimizer is not None:
+            whole = {"model": whole, "optimizer": self.optim_state_dict(optimizer)}
         self._agree(f"save({str(path)!r})", lambda: _write(whole, path) if self.rank == 0 else None)
 
-    def load(self, path: str | os.PathLike) -> None:
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """A checkpoint save() wrote (on any number of ranks), read by every rank (memory-mapped:
-        a rank reads little more than its part) and loaded as load_state_dict() does. A file
-        missing or unreadable on any rank raises on every rank, naming the rank. Collective."""
-        def read() -> dict[str, torch.Tensor]:
-            return self._parts_of(torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True))
-        self._copy(self._agree(f"load({str(path)!r})", read))
+        a rank reads little more than its part) and loaded as load_state_dict() (and, with
+        OPTIMIZER, load_optim_state_dict()) do: every rank checks all of it before the ranks
+        agree and anything changes. A file missing or unreadable on any rank raises on every
+        rank, naming the rank. Collective."""
+        def read() -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+            whole = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
+            paired = isinstance(whole, dict) and set(whole) == {"model", "optimizer"} and \
+                "model" not in self._expected()
+            if optimizer is not None and not paired:
+                raise ValueError(f"{str(path)!r} holds no optimizer state (saved without optimizer=)")
+            model = whole["model"] if paired else whole
+            return self._parts_of(model), \
+                optim_state.local_state(self, optimizer, whole["optimizer"]) if optimizer is not None else None
+        parts, local = self._agree(f"load({str(path)!r})", read)
+        self._copy(parts)
+        if optimizer is not None and local is not None:
+            optimizer.load_state_dict(local)
 
 
-def _write(whole: dict[str, torch.Tensor], path: Path) -> None:
+def _write(whole: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
