@@ -8,16 +8,19 @@ The checks on ranks are tests/sharded_worker.py's modes, several to a job on the
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
-from rank_checks import check, launch
+from rank_checks import check, launch, ranks_run
 
 torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TP_MLP = REPO / "examples" / "tp_mlp.ccn"
+PAGE = REPO / "docs" / "sharded_torch.md"
+LAUNCH = re.compile(r"coconetc launch -n (\d+) python (\S+)((?: \S+)*)")
 ERRORS_EVERY_R = ["missing", "extra", "shape", "dtype", "not_a_dict", "optim_shape", "optim_params",
                   "optim_not_in_file", "optim_unchanged"]
 ERRORS_SEVERAL_R = ["one_rank_missing", "wrong_part:forward", "wrong_part:full", "wrong_part:state_dict",
@@ -88,3 +91,25 @@ def test_sharded_on_1_2_3_ranks_and_checkpoints_across_them(built, capfd, tmp_pa
     out = capfd.readouterr().out
     check(out.splitlines(), out, labels(1, modes))
     assert rc == 0, out
+
+
+def test_the_page_runs_as_written(capfd, tmp_path):
+    """docs/sharded_torch.md: its scripts (```python NAME blocks) written to a directory, and each
+    line of its ```sh blocks, `coconetc launch -n R python SCRIPT ARGS`, run on the rank pool of R
+    ranks (`python SCRIPT ARGS`, the arguments taken in that directory); the scripts check
+    themselves (against one process, the checkpoint against its file). Any other block fails here."""
+    from test_docs import blocks
+    runs = 0
+    for i, (kind, arg, text) in enumerate(blocks(PAGE)):
+        if kind == "python" and arg:
+            (tmp_path / arg).write_text(text)
+            continue
+        assert kind == "sh", f"block {i} (```{kind} {arg}) is not run by this test"
+        for line in text.strip().splitlines():
+            m = LAUNCH.fullmatch(line.strip())
+            assert m, f"block {i}: {line!r} is not `coconetc launch -n R python SCRIPT ARGS`"
+            args = [str(tmp_path / a) for a in [m.group(2), *m.group(3).split()]]
+            res = ranks_run(int(m.group(1)), args, timeout=300)
+            assert res.returncode == 0, f"{line}\n--- stdout\n{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
+            runs += 1
+    assert runs == 2
