@@ -25,6 +25,8 @@ MODE program         a model holding examples/tp_mlp.ccn's weights sharded as th
                       them (w1 along dim 1, b1 and w2 along dim 0, b2 whole): the parts passed as
                       they are to the compiled tp_mlp give the unsharded model's output, and its
                       gradients of the parts
+MODE absent          (alone in its job) rank 0 gathers a parameter the other ranks never gather:
+                      the watchdog (COCONET_TIMEOUT=3) must end the job, naming the call and rank 1
 MODE errors           (after a save) bad checkpoints (missing, extra, wrong shape, wrong dtype, on
                       one rank only; an optimizer state of the wrong shape or parameters, none saved),
                       a part of the wrong shape on one rank, a rank failing inside gathered(), a
@@ -34,6 +36,7 @@ MODE errors           (after a save) bad checkpoints (missing, extra, wrong shap
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -413,6 +416,15 @@ class Errors:
                      ["no parameter 'wieght'"])
 
 
+def absent(comm) -> None:
+    os.environ["COCONET_TIMEOUT"] = "3"  # (the rank pool restores the environment after the job)
+    sh = ct.shard(make_model(2), **MODEL_SHARDING)  # type: ignore[arg-type]
+    print(f"SHARDED {comm.Get_rank()}", flush=True)
+    if comm.Get_rank() == 0:
+        sh.full("0.weight")
+        print("RANK 0 WAS NOT STOPPED", flush=True)
+
+
 SELF = ""  # a checkpoint this job saved (errors: loaded by every rank but one)
 
 
@@ -438,6 +450,8 @@ def run(argv: list[str], comm) -> int:
             w.opt_load(path, saved_on)
         elif name == "program":
             w.program()
+        elif name == "absent":
+            absent(comm)
         elif name == "errors":
             w.errors()
         else:

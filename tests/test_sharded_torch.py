@@ -15,6 +15,7 @@ import pytest
 from rank_checks import check, launch, ranks_run
 
 torch = pytest.importorskip("torch")
+ct = pytest.importorskip("coconetc.torch")
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("sharded_worker.py")
@@ -113,3 +114,86 @@ def test_the_page_runs_as_written(capfd, tmp_path):
             assert res.returncode == 0, f"{line}\n--- stdout\n{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
             runs += 1
     assert runs == 2
+
+
+# --- on one rank, in this process ----------------------------------------------------------------
+def test_parts_are_what_a_programs_sliced_parameters_take():
+    """part_index is the runtime's local_index of a program's sliced(d) parameter (tp_mlp.ccn's
+    w1 sliced(1), b1 and w2 sliced(0), b2 replicated), at sizes 1 to 4 ranks do not divide."""
+    from coconetc.runtime import layout
+    from coconetc.sourcefile import load_file
+    from coconetc.torch.parts import part_index
+    p = load_file(TP_MLP).program("tp_mlp")
+    sizes = {"B": 2, "S": 3, "H": 5, "F": 7}
+    for name in ("w1", "b1", "w2", "b2"):
+        q = layout.param(p, name, "test")
+        shape = tuple(layout.bind(p, q, sizes, "test"))
+        dim = q.type.layout.dim if q.type.layout.sliced else None
+        for R in (1, 2, 3, 4):
+            for r in range(R):
+                assert part_index(shape, dim, R, r) == layout.local_index(q, list(shape), R, r), (name, R, r)
+
+
+def test_tied_parameters_are_one_part_and_both_names_in_checkpoints():
+    """A weight shared by two layers (tied embeddings) is one sharded parameter seen by both in
+    the forward, and under both names in the whole state dict."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    m[1].weight = m[0].weight
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    ref[0].weight.data.copy_(m[0].weight.data)
+    ref[1].weight = ref[0].weight
+    sh = ct.shard(m)
+    assert sh.sharded == ["0.weight"] and m[1].weight is m[0].weight
+    x = torch.randn(3, 4)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    assert torch.allclose(m(x), ref(x)) and torch.allclose(m[0].weight.grad, ref[0].weight.grad)
+    sd = sh.state_dict()
+    assert list(sd) == ["0.weight", "1.weight"] and torch.equal(sd["1.weight"], ref[1].weight)
+
+
+@pytest.mark.parametrize("kwargs,error,needle", [
+    (dict(comm=object()), TypeError, "mpi4py intra-communicator"),
+    (dict(reduce="mean"), ValueError, "'avg' (as DDP and FSDP) or 'sum'"),
+    (dict(dims={"0.weight": 2}), ValueError, "'0.weight' is shaped (3, 2): it has no dim 2"),
+    (dict(params=["1.weight"]), ValueError, "no parameter '1.weight'"),
+])
+def test_shard_argument_errors(kwargs, error, needle):
+    with pytest.raises(error) as err:
+        ct.shard(torch.nn.Sequential(torch.nn.Linear(2, 3)), **kwargs)
+    assert needle in str(err.value)
+
+
+def test_handle_errors():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    m.register_parameter("steps", torch.nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=False))
+    with pytest.raises(ValueError, match="'steps' is torch.int64; only floating-point"):
+        ct.shard(m)
+    sh = ct.shard(m, params=["0.weight"])
+    assert sh.dim("0.bias") is None and sh.dim("steps") is None
+    with pytest.raises(ValueError, match="sharded already"):
+        ct.shard(m)
+    with pytest.raises(KeyError, match="no parameter 'w'"):
+        sh.local("w")
+    with pytest.raises(ValueError, match="modifier_rank 1 is not a rank"):
+        with sh.gathered(modifier_rank=1):
+            pass
+    with sh.gathered():
+        with pytest.raises(RuntimeError, match="already inside gathered"):
+            with sh.gathered():
+                pass
+        with pytest.raises(RuntimeError, match="not inside gathered"):
+            sh.state_dict()
+
+
+# --- last: it ends the job of its ranks (their pool starts again for the next test) ---------------
+@pytest.mark.slow
+def test_a_rank_that_never_arrives_ends_the_job(capfd):
+    """Rank 0 gathers a parameter alone: the watchdog ends the job after COCONET_TIMEOUT (3 s,
+    set by the worker) instead of a hang, naming the call and the rank that did not arrive."""
+    rc, lines, log = launch(capfd, WORKER, 2, "absent")
+    assert "SHARDED 0" in lines and "SHARDED 1" in lines, log
+    assert rc != 0 and "RANK 0 WAS NOT STOPPED" not in lines, log
+    assert "coconetc.torch.Sharded.gather of '0.weight'" in log or "coconetc.torch.Sharded.full('0.weight')" in log, log
+    assert "rank 1 did not arrive" in log, log
