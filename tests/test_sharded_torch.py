@@ -153,6 +153,32 @@ def test_tied_parameters_are_one_part_and_both_names_in_checkpoints():
     assert list(sd) == ["0.weight", "1.weight"] and torch.equal(sd["1.weight"], ref[1].weight)
 
 
+def test_frozen_and_unused_parameters_get_no_gradient_as_in_one_process():
+    """A frozen parameter (requires_grad=False) and one the forward does not use get None, as in
+    one process, so AdamW leaves them alone (no weight decay); the others step as in one process."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = (torch.nn.Linear(4, 4) for _ in range(3))
+            self.a.weight.requires_grad_(False)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+    torch.manual_seed(0)
+    m = Model()
+    ref = Model()
+    ref.load_state_dict(m.state_dict())
+    sh = ct.shard(m)
+    opts = [torch.optim.AdamW(x.parameters(), lr=0.1, weight_decay=0.5) for x in (m, ref)]
+    x = torch.randn(3, 4)
+    for model, opt in zip((m, ref), opts):
+        model(x).square().sum().backward()
+        opt.step()
+    assert m.a.weight.grad is None and m.unused.weight.grad is None and m.unused.bias.grad is None
+    got = sh.state_dict()
+    assert all(torch.allclose(got[k], v, atol=1e-6) for k, v in ref.state_dict().items())
+
+
 @pytest.mark.parametrize("kwargs,error,needle", [
     (dict(comm=object()), TypeError, "mpi4py intra-communicator"),
     (dict(reduce="mean"), ValueError, "'avg' (as DDP and FSDP) or 'sum'"),

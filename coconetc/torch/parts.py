@@ -211,14 +211,18 @@ class Parts:
             out.append(torch.cat(parts, dim=s.dim))
         return out
 
-    def _reduced(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
-        """The whole gradients (None: zero) reduced across the ranks (summed, or averaged): each
-        sharded one reduce-scattered to this rank's part, each whole one all-reduced; in float32
-        (float64 for float64 parameters), one collective of each kind per such dtype."""
+    def _reduced(self, grads: tuple[torch.Tensor | None, ...], wanted: tuple[bool, ...]) -> list[torch.Tensor | None]:
+        """The whole gradients reduced across the ranks (summed, or averaged): each sharded one
+        reduce-scattered to this rank's part, each whole one all-reduced; in float32 (float64 for
+        float64 parameters), one collective of each kind per such dtype. A parameter that needs
+        no gradient (WANTED false: frozen), or that has none on any rank (unused), gets None, as
+        in one process; one that has a gradient on some ranks only counts as zero on the others."""
         specs = list(self.specs.values())
+        used = self._used(grads, wanted)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, s in enumerate(specs):
-            by_dtype.setdefault(_REDUCE_DTYPES.get(s.dtype, torch.float32), []).append(i)
+            if used[i]:
+                by_dtype.setdefault(_REDUCE_DTYPES.get(s.dtype, torch.float32), []).append(i)
         out: dict[int, torch.Tensor] = {}
         for rdt, idx in by_dtype.items():
             given = {i: grads[i] for i in idx}
@@ -226,7 +230,16 @@ class Parts:
             out.update(self._reduce_scatter({i: g for i, g in whole.items() if specs[i].dim is not None}, rdt))
             out.update(self._all_reduce({i: g for i, g in whole.items() if specs[i].dim is None}))
         scale = 1 / self.ranks if self.reduce == "avg" else 1
-        return [(out[i] * scale if scale != 1 else out[i]).to(s.dtype) for i, s in enumerate(specs)]
+        return [(out[i] * scale if scale != 1 else out[i]).to(s.dtype) if i in out else None
+                for i, s in enumerate(specs)]
+
+    def _used(self, grads: tuple[torch.Tensor | None, ...], wanted: tuple[bool, ...]) -> list[bool]:
+        """For each parameter: wanted and given a gradient on some rank (a small all-reduce)."""
+        from mpi4py import MPI
+        mine = np.array([w and g is not None for g, w in zip(grads, wanted)], dtype=np.uint8)
+        if self.ranks > 1 and len(mine):
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, mine, MPI.MAX), "all-reduce of which gradients exist")
+        return [bool(x) for x in mine]
 
     def _reduce_scatter(self, grads: dict[int, torch.Tensor], rdt: torch.dtype) -> dict[int, torch.Tensor]:
         """Parameter i's whole gradient summed over the ranks, this rank's part of it, for each i."""

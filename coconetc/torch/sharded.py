@@ -36,11 +36,12 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, sharded: Sharded, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.sharded = sharded
+        ctx.set_materialize_grads(False)  # (an unused parameter's gradient comes as None, not zeros)
         return tuple(sharded._whole(tensors))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None, *ctx.sharded._reduced(grads))
+        return (None, *ctx.sharded._reduced(grads, ctx.needs_input_grad[1:]))
 
 
 class Sharded(Parts):
