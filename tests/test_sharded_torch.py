@@ -193,11 +193,12 @@ def test_shard_argument_errors(kwargs, error, needle):
 
 def test_handle_errors():
     m = torch.nn.Sequential(torch.nn.Linear(2, 3))
-    m.register_parameter("steps", torch.nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=False))
-    with pytest.raises(ValueError, match="'steps' is torch.int64; only floating-point"):
-        ct.shard(m)
-    sh = ct.shard(m, params=["0.weight"])
-    assert sh.dim("0.bias") is None and sh.dim("steps") is None
+    steps = torch.arange(4)
+    m.register_parameter("steps", torch.nn.Parameter(steps.clone(), requires_grad=False))  # no gradient: sharded too
+    sh = ct.shard(m, params=["0.weight", "steps"])
+    assert sh.dim("0.bias") is None and sh.dim("steps") == 0 and torch.equal(sh.full("steps"), steps)
+    m(torch.randn(2, 2)).sum().backward()
+    assert m.steps.grad is None and m[0].weight.grad.shape == (3, 2)
     with pytest.raises(ValueError, match="sharded already"):
         ct.shard(m)
     with pytest.raises(KeyError, match="no parameter 'w'"):

@@ -28,6 +28,7 @@ import torch
 from coconetc.torch import optim_state
 from coconetc.torch.parts import Parts, Spec, part_index
 
+
 class _Gather(torch.autograd.Function):
     """Forward: the whole tensors of every parameter (the sharded ones all-gathered, the whole
     ones as they are). Backward: the sharded ones' gradients reduce-scattered to their shards,
@@ -80,14 +81,14 @@ class Sharded(Parts):
     # --- what is sharded ------------------------------------------------------------------------
     def _specs(self, dim: int, dims: dict[str, int] | None, params: list[str] | None,
                min_numel: int) -> dict[str, Spec]:
+        seen: dict[int, str] = {}  # id of a parameter -> its name (the first of a tied one's)
         for owner_name, owner in self.module.named_modules(remove_duplicate=False):
             for attr, p in owner._parameters.items():
                 if p is None:
                     continue
-                name = next((n for n, q in self._params.items() if q is p), None)
                 key = f"{owner_name}.{attr}" if owner_name else attr
-                if name is None:
-                    name = key
+                name = seen.setdefault(id(p), key)
+                if name == key:
                     self._params[name] = p
                     self._owners[name] = []
                 if (owner, attr) not in self._owners[name]:
@@ -113,9 +114,6 @@ class Sharded(Parts):
                 raise ValueError(f"coconetc.torch.shard: parameter {name!r} is shaped {tuple(p.shape)}: "
                                  f"it has no dim {dim}")
             dim %= p.dim()
-            if not p.is_floating_point():
-                raise ValueError(f"coconetc.torch.shard: parameter {name!r} is {p.dtype}; only floating-point "
-                                 f"parameters are sharded (their gradients are reduced)")
         return Spec(name, tuple(p.shape), dim, p.dtype)
 
     # --- forward and backward ------------------------------------------------------------------
