@@ -17,6 +17,8 @@ MODE save:PATH        the checkpoint model sharded here, saved to PATH: the file
                       model's state dict exactly, and no temporary file is left
 MODE load:PATH:R      PATH (saved on R ranks) loaded into another model sharded here: its whole
                       tensors are the file's and the unsharded model's, each part is its slice
+MODE partial          a layer only rank 0's forward uses, one no rank uses: gradients as one process
+                      summing every rank's loss (zero from the ranks that did not use it; None)
 MODE opt_save:PATH    2 AdamW steps of the training model, saved with its optimizer: the file's
                       whole parameters and AdamW state are one process's (1e-5), keyed by name
 MODE opt_load:PATH:R  PATH (saved on R ranks) loaded with a fresh AdamW (another lr) here, one more
@@ -80,6 +82,18 @@ def make_model(seed: int) -> torch.nn.Module:
         m[1].bias.add_(torch.randn(13) * 0.1)
     m.register_buffer("scale", torch.arange(3.0) + seed)
     return m
+
+
+class Branches(torch.nn.Module):
+    """A layer `c` used when asked; a layer `idle` never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c, self.idle = torch.nn.Linear(7, 6), torch.nn.Linear(6, 6), torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(h) if use_c else h
 
 
 def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
@@ -222,6 +236,29 @@ class Worker:
         if not all(shapes):
             return "the optimizer's state is not shaped like the parts"
         return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+
+    def partial(self) -> None:
+        """A layer only rank 0's forward uses: its gradient is rank 0's (zero from the others),
+        one no rank uses has none; as one process summing every rank's loss."""
+        def run() -> str | None:
+            torch.manual_seed(3)
+            m = Branches()
+            ref = copy.deepcopy(m)
+            sh = ct.shard(m, reduce="sum")
+
+            def loss(model: torch.nn.Module, r: int) -> torch.Tensor:
+                x, y, _, _ = self._batch(r)
+                lo, hi = slice_range(B, self.R, r)
+                return model(x[lo:hi], r == 0).square().sum()
+            loss(m, self.rank).backward()
+            sum(loss(ref, r) for r in range(self.R)).backward()
+            rp = dict(ref.named_parameters())
+            if any(p.grad is not None for p in m.idle.parameters()):
+                return "the unused layer got a gradient"
+            errs = [(p.grad - part(rp[n].grad, sh.dim(n), self.R, self.rank)).abs().max().item()
+                    for n, p in m.named_parameters() if not n.startswith("idle") and p.numel()]
+            return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+        self.check(f"partial:R{self.R}", run)
 
     # --- the optimizer's state in checkpoints --------------------------------------------------
     def opt_save(self, path: str) -> None:
@@ -450,6 +487,8 @@ def run(argv: list[str], comm) -> int:
             w.opt_load(path, saved_on)
         elif name == "program":
             w.program()
+        elif name == "partial":
+            w.partial()
         elif name == "absent":
             absent(comm)
         elif name == "errors":

@@ -57,6 +57,8 @@ def labels(R: int, modes: list[str]) -> list[str]:
             out.append(f"opt_load:R{rest.rpartition(':')[2]}->R{R}")
         elif name == "program":
             out.append(f"program:R{R}:tp_mlp")
+        elif name == "partial":
+            out.append(f"partial:R{R}")
         else:
             out += [f"errors:R{R}:{e}" for e in ERRORS_EVERY_R + (ERRORS_SEVERAL_R if R > 1 else [])]
     return out
@@ -78,8 +80,8 @@ def test_sharded_on_1_2_3_ranks_and_checkpoints_across_them(built, capfd, tmp_pa
         p.mkdir()
     c = {R: d[R] / "ckpt.pt" for R in d}
     o = {R: d[R] / "with_optimizer.pt" for R in d}
-    _job(capfd, 2, "roundtrip", "train", "program", f"save:{c[2]}", f"opt_save:{o[2]}", "errors")
-    _job(capfd, 3, f"load:{c[2]}:2", f"opt_load:{o[2]}:2", "roundtrip", "train", "program", f"save:{c[3]}",
+    _job(capfd, 2, "roundtrip", "train", "partial", "program", f"save:{c[2]}", f"opt_save:{o[2]}", "errors")
+    _job(capfd, 3, f"load:{c[2]}:2", f"opt_load:{o[2]}:2", "roundtrip", "train", "partial", "program", f"save:{c[3]}",
          f"opt_save:{o[3]}", "errors")
     _job(capfd, 2, f"load:{c[3]}:3", f"opt_load:{o[3]}:3")
     from mpi4py import MPI
