@@ -8,12 +8,14 @@ part a `.ccn` program's `sliced(d)` parameter takes, so a shard is passed to a p
     loss_fn(model(x), y).backward(); opt.step()             # forward gathers, backward reduce-scatters
     sharded.save("ckpt.pt")                                 # whole tensors, any rank count loads it
 
-Each `Sharded` method that communicates (shard, a forward, full, gathered, state_dict,
-load_state_dict, save, load) first runs its checks and local work on every rank, then the ranks
-exchange what each found (coconetc.runtime.agree, under its watchdog): an error on any rank
-raises on every rank, naming the rank and the parameter, before any buffer changes; a rank that
-does not arrive ends the job after COCONET_TIMEOUT, naming it. The collectives are mpi4py's
-non-blocking ones, waited for under the same watchdog. docs/sharded_torch.md is the user's page."""
+Each `Sharded` call that communicates (shard, a forward, full, gathered, state_dict,
+load_state_dict, optim_state_dict, load_optim_state_dict, save, load) first runs its checks and
+local work on every rank, then the ranks exchange what each found (coconetc.runtime.agree,
+under its watchdog): an error on any rank raises on every rank, naming the rank and the
+parameter, before any buffer changes; a rank that does not arrive ends the job after
+COCONET_TIMEOUT, naming it. A backward does not agree first: its collectives are waited for
+under the same watchdog, as all are (parts.py: mpi4py's non-blocking collectives). The
+optimizer's whole state is optim_state.py's; docs/sharded_torch.md is the user's page."""
 
 from __future__ import annotations
 
