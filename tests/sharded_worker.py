@@ -271,13 +271,16 @@ class Worker:
                 opt.step()
                 self._ref_step(ref, ropt, t)
             sh.save(path, optimizer=opt)
+            every = sh.optim_state_dict(opt, rank0_only=False)  # the same, on every rank
+            errs = [(every["state"][n][k] - ropt.state[p][k]).abs().max().item()
+                    for n, p in ref.named_parameters() for k in ("exp_avg", "exp_avg_sq", "step")]
             if self.rank != 0:
-                return None
+                return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
             file = torch.load(path, weights_only=True)
             got, names = file["optimizer"], [n for n, _ in ref.named_parameters()]
             if got["param_groups"][0]["params"] != names or got["param_groups"][0]["lr"] != 1e-2:
                 return f"param groups {got['param_groups']}"
-            errs = [(file["model"][k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+            errs += [(file["model"][k] - v).abs().max().item() for k, v in ref.state_dict().items()]
             for n, p in ref.named_parameters():
                 want = ropt.state[p]
                 errs += [(got["state"][n][k] - want[k]).abs().max().item() for k in ("exp_avg", "exp_avg_sq", "step")]
