@@ -44,6 +44,11 @@ The package, a file per story:
   ops.py             the torch.library custom operators of function / Module calls
   gpt.py             a nanoGPT block's weights in gpt_block.ccn's layouts, the sequence-parallel
                      region's edges
+  sharded.py         shard / Sharded: a model's parameters kept sharded between steps (each
+                     rank its slice_range of a dim), gathered for the forward, gradients
+                     reduce-scattered, whole-tensor checkpoints on any rank count
+  parts.py           what it computes with: each rank's part, agreeing, the collectives
+  optim_state.py     a torch optimizer's state over the parts, whole, and back on any ranks
   params.py          what they share: the module loaded once, arguments bound and on the
                      backend's device, torch's params and param groups"""
 
@@ -59,8 +64,9 @@ from typing import Any
 from coconetc.torch import gpt
 from coconetc.torch.differentiable import Differentiable, function
 from coconetc.torch.module import Module
+from coconetc.torch.sharded import Sharded, shard
 
-__all__ = ["DistributedOptimizer", "Differentiable", "Module", "function", "gpt"]
+__all__ = ["DistributedOptimizer", "Differentiable", "Module", "Sharded", "function", "gpt", "shard"]
 
 
 def __getattr__(name: str) -> Any:
