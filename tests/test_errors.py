@@ -249,6 +249,8 @@ CASES = [
      "reorder on 'rs': the first argument must be an allgather stage"),
     ("reorder_listed_twice", S(ADAM, "rs, ag = split(g1)\nagm, agv = reorder(ag, m1, v1, m1)"), 12, 36,
      "reorder on 'm1': the stage is listed twice"),
+    ("reorder_of_nothing", S(SGD, "rs, ag = split(g1)\nagw = reorder(ag, )"), 7, 19,
+     "reorder on 'ag': no stage to move: name the stages that read it, as in reorder(ag, w1)"),
     ("reorder_not_on_slices", S(ADAM, "rs, ag = split(g1)\nagm = reorder(ag, mh)"), 12, 23,
      "reorder on 'mh': would run as replicated, not on slices"),
     ("slice_param_with_unsliced_use", S(ADAM, "rs, ag = split(g1)\nslice(m)"), 12, 11,

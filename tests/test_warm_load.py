@@ -35,16 +35,21 @@ PROGRAM = {"test_second_load_reads_the_record": "sgd_warm",
            "test_a_module_no_longer_whole_or_a_bad_record_loads_in_full": "sgd_broken"}
 
 
-def _parses(monkeypatch) -> list[str]:
-    """The files the loader parses from now on."""
+def _counted(monkeypatch, name: str) -> list[str]:
+    """The files sourcefile's function NAME is called on from now on (load_source: the files the
+    loader loads; parse: the texts the front end parses)."""
     seen: list[str] = []
-    real = sourcefile.load_source
+    real = getattr(sourcefile, name)
 
     def counted(text, file="<string>"):
         seen.append(file)
         return real(text, file)
-    monkeypatch.setattr(sourcefile, "load_source", counted)
+    monkeypatch.setattr(sourcefile, name, counted)
     return seen
+
+
+def _parses(monkeypatch) -> list[str]:
+    return _counted(monkeypatch, "load_source")
 
 
 def _step(mod) -> np.ndarray:
@@ -136,18 +141,6 @@ MAIN = 'from "inner.ccn" import inner\n\nprogram outer(x: f32[N] replicated) {\n
 INNER = "program inner(x: f32[N] replicated) {\n    y = x * SCALE\n    return y\n}\n"
 
 
-def _parsing(monkeypatch) -> list[str]:
-    """The texts the front end parses from now on."""
-    seen: list[str] = []
-    real = sourcefile.parse
-
-    def counted(text, file="<string>"):
-        seen.append(file)
-        return real(text, file)
-    monkeypatch.setattr(sourcefile, "parse", counted)
-    return seen
-
-
 def test_a_file_parsed_once_loads_from_its_record_until_it_or_an_import_changes(tmp_path, monkeypatch):
     """The second load of the same text (in any process: the record is a file) parses nothing
     and gives the same programs and plans; an edit of the file or of a file it imports, or a
@@ -162,7 +155,7 @@ def test_a_file_parsed_once_loads_from_its_record_until_it_or_an_import_changes(
     main = tmp_path / "main.ccn"
     main.write_text(MAIN)
     first = sourcefile.load_file(main)
-    seen = _parsing(monkeypatch)
+    seen = _counted(monkeypatch, "parse")
     again = sourcefile.load_file(main)
     assert seen == [] and again is not first
     assert show(again.plans[("outer", "default")]) == show(first.plans[("outer", "default")])

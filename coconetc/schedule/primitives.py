@@ -90,6 +90,11 @@ def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
     if not (isinstance(ag.expr, Op) and ag.expr.op == "allgather" and isinstance(ag.expr.args[0], Ref)):
         raise ScheduleError(span_of(d, d.ag), "reorder", d.ag, "the first argument must be an allgather stage")
     src = ag.expr.args[0].name
+    if not d.stages:
+        readers = [u.name for u in p.users(ag.name)]
+        raise ScheduleError(span_of(d, d.ag), "reorder", d.ag,
+                            "no stage to move: name the stages that read it, as in "
+                            f"reorder({d.ag}, {', '.join(readers) or '...'})")
     moved = list(dict.fromkeys(d.stages))
     if len(moved) != len(d.stages):
         twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
