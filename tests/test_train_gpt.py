@@ -138,20 +138,19 @@ def _train_sharded(ranks: int, *args: str) -> subprocess.CompletedProcess:
     return ranks_run(ranks, [str(SHARDED), *args], timeout=600)
 
 
-SHARDED_STEPS = {"sharded/torch": [0, 1, 2, 4, 9], "resumed/torch": [10, 11, 12]}
-
-
-def _check_sharded(res: subprocess.CompletedProcess, ranks: int, resumed_here: bool) -> None:
-    """train_sharded.py's report: 10 steps like one process (every parameter's gradient part, the
-    losses); the checkpoint resumed for steps 10 to 12 like one process going on; loaded on the
-    ranks that saved it, the parts and AdamW's state bit for bit the saved ones."""
-    modes = ["sharded/torch", "resumed/torch"] if resumed_here else ["resumed/torch"]
-    sections = _check(res, modes, ranks, SHARDED_STEPS)
+def _check_sharded(res: subprocess.CompletedProcess, ranks: int, resumed_here: bool, blocks: str = "torch") -> None:
+    """train_sharded.py's report (BLOCKS: its --blocks): 10 steps like one process (every
+    parameter's gradient part, the losses); the checkpoint resumed for steps 10 to 12 like one
+    process going on; loaded on the ranks that saved it, the parts and AdamW's state bit for bit
+    the saved ones."""
+    steps = {f"sharded/{blocks}": [0, 1, 2, 4, 9], f"resumed/{blocks}": [10, 11, 12]}
+    modes = list(steps) if resumed_here else [f"resumed/{blocks}"]
+    sections = _check(res, modes, ranks, steps)
     head = res.stdout.split("\n== ")[1]
     assert f"sharded over {ranks} ranks (coconetc.torch.shard" in head, res.stdout
     if resumed_here:
-        assert sections["resumed/torch"][-1] == ("resumed/torch: the loaded parts and AdamW's state are the saved "
-                                                 "ones, bit for bit: yes"), res.stdout
+        assert sections[f"resumed/{blocks}"][-1] == (f"resumed/{blocks}: the loaded parts and AdamW's state are the "
+                                                     "saved ones, bit for bit: yes"), res.stdout
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
@@ -174,6 +173,20 @@ def test_sharded_gpt_checkpoint_of_4_ranks_resumes_on_2(tmp_path, monkeypatch):
     res = _train_sharded(2, "--load", "ckpt4.pt")
     _check_sharded(res, 2, resumed_here=False)
     assert "ckpt4.pt (AdamW's step 10) loaded on 2 ranks into a fresh model" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_sharded_gpt_with_coconet_blocks_and_its_checkpoint_in_torch_blocks(tmp_path, monkeypatch):
+    """--blocks coconet: gpt_block.ccn's compiled blocks (whole weights, one-rank groups) under
+    shard() on 2 ranks, saved and resumed; the checkpoint (the same names and shapes as the torch
+    blocks') resumed by the torch blocks on 4 ranks. Slow: it builds gpt_block (the tp test's
+    module) when no test did; about 10 s once built."""
+    import coconetc
+    coconetc.load(SCRIPT.with_name("gpt_block.ccn"), log=lambda msg: None, grad=("gpt_block",))
+    monkeypatch.chdir(tmp_path)
+    _check_sharded(_train_sharded(2, "--blocks", "coconet", "--save", "ckc.pt"), 2, True, "coconet")
+    _check_sharded(_train_sharded(4, "--load", "ckc.pt"), 4, resumed_here=False)
 
 
 def _script():
