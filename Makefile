@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(PY) bench/collectives.py
 	$(PY) bench/train_step.py --size 3M
 	$(PY) bench/train_step.py --size 10M
+	$(PY) bench/sharded.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

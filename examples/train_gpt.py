@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,17 @@ def reference_model(full: dict[str, Any], a: argparse.Namespace) -> Any:
     return GPT()
 
 
+def describe(a: argparse.Namespace) -> str:
+    """The model's sizes and the training's, in one line."""
+    return (f"GPT: {a.layers} blocks of H={a.hidden}, {a.heads} heads, F={a.ffn * a.hidden}; vocabulary {a.vocab}, "
+            f"sequence {a.seq}, batch {a.batch}; AdamW lr {a.lr} wd {a.wd}; {a.steps} steps")
+
+
+def adamw_args(a: argparse.Namespace) -> dict[str, Any]:
+    """torch.optim.AdamW's arguments, the same for the model and its one-process reference."""
+    return dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.wd)
+
+
 # --- the model with coconet's blocks ------------------------------------------------------------
 def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, groups: int, tp_comm: Any) -> Any:
     """The model with every block a coconetc.torch.Module of PROGRAM (this rank's parts of its
@@ -309,17 +321,21 @@ def reference_step(ref: Any, ref_opt: Any, idx: Any, tgt: Any, a: argparse.Names
 
 
 def gradient_errors(mine: dict[str, Any], refs: dict[str, Any], layouts: dict[str, Any], gs: int, r: int,
-                    comm: Any) -> dict[str, float]:
+                    comm: Any, index: Callable[[str], Any] | None = None) -> dict[str, float]:
     """Each parameter's gradient on this rank (MINE: name -> this rank's part, in LAYOUTS' layout
-    over a group of GS ranks, this rank R in it) against the one-process model's, as the largest
-    difference over the largest element; the worst over the ranks of COMM that hold it."""
+    over a group of GS ranks, this rank R in it; or, with INDEX, the part INDEX(name) of the
+    whole tensor) against the one-process model's, as the largest difference over the largest
+    element; the worst over the ranks of COMM that hold a part of it (an empty part is none)."""
     from coconetc.runtime import layout
     errs = {}
     for name, g in mine.items():
         want = refs[name].grad.detach()
-        if name in layouts:
+        if index is not None:
+            want = want[index(name)]
+        elif name in layouts:
             want = want[layout.local_index(layouts[name], list(want.shape), gs, r)]
-        errs[name] = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+        if want.numel():
+            errs[name] = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
     worst: dict[str, float] = {}
     for part in comm.allgather(errs):
         for name, e in part.items():
@@ -344,7 +360,7 @@ def run_mode(mode: str, a: argparse.Namespace, comm: Any) -> dict[str, Any]:
     data = batches(a)
     ref = reference_model(full, a)
     model = coconet_model(full, a, PROGRAMS[mode], groups, tp_comm)
-    hp = dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.wd)
+    hp = adamw_args(a)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
     if dp_comm is not None:
         # adamw.ccn sums the gradients over dp_comm (allreduce(sum, g)); its global-norm
@@ -481,7 +497,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     # their gradients are summed between them (Megatron's embedding group)
     ends = {0, (P * V - 1) % P}
     tied = pp_comm.Split(0 if s in ends else MPI.UNDEFINED, s) if len(ends) > 1 else None
-    hp = dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.wd)
+    hp = adamw_args(a)
     opt = torch.optim.AdamW(params.values(), **hp)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
     refs = dict(ref.named_parameters())
@@ -528,13 +544,16 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
 
 
 def report(res: dict[str, Any], a: argparse.Namespace, ranks: int) -> bool:
-    """Rank 0's tables for one mode; True when it passes."""
+    """Rank 0's tables for one mode; True when it passes. RES may say, besides the figures, how
+    the mode runs ("how"), what the blocks are ("program"), their schedules ("schedules"; "":
+    none) and the number of the first step it trained ("first_step", default 0)."""
     mode, gs, groups = res["mode"], res["group_size"], res["groups"]
     how = res.get("how") or {"tp": f"tensor parallel over {gs} ranks", "sp": f"sequence parallel over {gs} ranks",
                              "tp_dp": f"tensor parallel over {gs} ranks x data parallel over {groups} groups "
                                       f"(DistributedOptimizer adamw.ccn, schedule {a.dp_schedule})"}[mode]
-    print(f"\n== {mode}: {res.get('program') or PROGRAMS[mode]} on {ranks} ranks, {how}; schedule {a.schedule}, grad schedule "
-          f"{a.grad_schedule}; {res['held']} of {res['total']} parameters on each rank")
+    sched = res.get("schedules", f"schedule {a.schedule}, grad schedule {a.grad_schedule}")
+    print(f"\n== {mode}: {res.get('program') or PROGRAMS[mode]} on {ranks} ranks, {how}" + (f"; {sched}" if sched else "")
+          + f"; {res['held']} of {res['total']} parameters on each rank")
     checked = a.dropout == 0
     worst: dict[str, float] = {}
     for name, err in res["grad_err"].items():  # blocks.<i>.<w>: the worst over the blocks
@@ -545,15 +564,44 @@ def report(res: dict[str, Any], a: argparse.Namespace, ranks: int) -> bool:
     for k, e in worst.items():
         print(f"  {k:{width}s}  {e:9.2e}  {'ok' if e <= a.grad_tol else 'MISMATCH' if checked else ''}")
     print(f"{'step':>6s}  {'coconet loss':>13s}  {'one process':>13s}  {'relative':>9s}")
+    first = res.get("first_step", 0)
     for i, (x, y, e) in enumerate(zip(res["losses"], res["ref_losses"], res["loss_err"])):
         if i < 3 or i % 5 == 4 or i == len(res["losses"]) - 1:
-            print(f"{i:6d}  {x:13.7f}  {y:13.7f}  {e:9.2e}")
+            print(f"{first + i:6d}  {x:13.7f}  {y:13.7f}  {e:9.2e}")
     g, lo = max(worst.values()), max(res["loss_err"])
     ok = g <= a.grad_tol and lo <= a.loss_tol
-    print(f"{mode}: {a.steps} steps in {res['seconds']:.2f} s (one process: {res['ref_seconds']:.2f} s); "
+    print(f"{mode}: {len(res['losses'])} steps in {res['seconds']:.2f} s (one process: {res['ref_seconds']:.2f} s); "
           f"largest gradient difference {g:.2e}, largest loss difference {lo:.2e}: "
           + ("ok" if ok else "MISMATCH" if checked else f"not checked (dropout {a.dropout}: the masks differ)"))
     return ok or not checked
+
+
+def print_summary(summary: list[tuple[str, float, float, bool]], ranks: int, checked: bool) -> None:
+    """Rank 0's last table: a row a mode, (mode, largest gradient difference, largest loss
+    difference, passed)."""
+    width = max(6, *(len(m) for m, *_ in summary))
+    print(f"\n{'mode':{width}s} {'ranks':>5s} {'gradients':>10s} {'losses':>10s}  result")
+    for m, g, lo, good in summary:
+        print(f"{m:{width}s} {ranks:5d} {g:10.2e} {lo:10.2e}  {('ok' if good else 'MISMATCH') if checked else 'not checked'}")
+
+
+def model_arguments(ap: argparse.ArgumentParser, steps: int, batch_help: str) -> None:
+    """The flags of the model, its training and the check (this script's and train_sharded.py's)."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=4, help="the MLP's width in multiples of --hidden")
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=4, help=batch_help)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--wd", type=float, default=0.1, help="AdamW's weight decay")
+    ap.add_argument("--schedule", default="overlapped", help="the blocks' forward schedule in gpt_block.ccn")
+    ap.add_argument("--grad-schedule", default="default", help="the backward's (a `schedule s for grad(...)`)")
+    ap.add_argument("--grad-tol", type=float, default=1e-5)
+    ap.add_argument("--loss-tol", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
 
 
 def main() -> int:
@@ -569,23 +617,9 @@ def main() -> int:
                     "rank (default 2)")
     ap.add_argument("--from-schedule", action="store_true", help="pp modes: the stages from gpt_pipeline.ccn's "
                     "pipeline schedule pp_<order> (a program of 4 layers) instead of a Block a layer")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--ffn", type=int, default=4, help="the MLP's width in multiples of --hidden")
-    ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=4, help="the global batch (split over the groups under tp_dp)")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--wd", type=float, default=0.1, help="AdamW's weight decay")
+    model_arguments(ap, steps=20, batch_help="the global batch (split over the groups under tp_dp)")
     ap.add_argument("--dropout", type=float, default=0.0, help="> 0: trained without the comparison")
-    ap.add_argument("--schedule", default="overlapped", help="the blocks' forward schedule in gpt_block.ccn")
-    ap.add_argument("--grad-schedule", default="default", help="the backward's (a `schedule s for grad(...)`)")
     ap.add_argument("--dp-schedule", default="zero", help="tp_dp: adamw.ccn's schedule (default, zero, ...)")
-    ap.add_argument("--grad-tol", type=float, default=1e-5)
-    ap.add_argument("--loss-tol", type=float, default=1e-5)
-    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     programs = available_programs()
     if not in_mpi_job() and a.ranks > 1:  # build once here, then start the ranks
@@ -612,9 +646,7 @@ def main() -> int:
     rank, ranks = comm.Get_rank(), comm.Get_size()
     modes, notes = modes_of(a.mode, ranks, a, programs)
     if rank == 0:
-        print(f"GPT: {a.layers} blocks of H={a.hidden}, {a.heads} heads, F={a.ffn * a.hidden}; vocabulary "
-              f"{a.vocab}, sequence {a.seq}, batch {a.batch}; AdamW lr {a.lr} wd {a.wd}; {a.steps} steps; "
-              f"dropout {a.dropout}")
+        print(f"{describe(a)}; dropout {a.dropout}")
         for n in notes:
             print(n)
     summary = []
@@ -625,11 +657,7 @@ def main() -> int:
         summary.append((res["mode"], max(res["grad_err"].values()), max(res["loss_err"]), ok))
     ok = comm.bcast(all(s[3] for s in summary), root=0)
     if rank == 0:
-        width = max(6, *(len(m) for m, *_ in summary))
-        print(f"\n{'mode':{width}s} {'ranks':>5s} {'gradients':>10s} {'losses':>10s}  result")
-        for m, g, lo, good in summary:
-            print(f"{m:{width}s} {ranks:5d} {g:10.2e} {lo:10.2e}  "
-                  f"{('ok' if good else 'MISMATCH') if a.dropout == 0 else 'not checked'}")
+        print_summary(summary, ranks, a.dropout == 0)
     if not ok:
         if rank == 0:
             print(f"MISMATCH: a gradient part by more than --grad-tol {a.grad_tol:g} or a loss by more than "

@@ -11,7 +11,13 @@ checkout; it builds the module, then starts its ranks):
   DistributedOptimizer over examples/adamw.ccn);
 - the script's verdict: a difference past the tolerance is a MISMATCH (a failing exit).
 
-Tiny sizes and 3 steps (`make test` time); the script's defaults train 20 steps."""
+Tiny sizes and 3 steps (`make test` time); the script's defaults train 20 steps.
+
+examples/train_sharded.py (the same model, its parameters sharded by coconetc.torch.shard, AdamW
+on the parts) runs on the rank pool (tests/rank_checks.py) from a directory outside the checkout,
+with its defaults (10 steps): its first-step gradients and losses against one process, its
+checkpoint loaded into a fresh model on the same ranks (bit for bit) and on another rank count,
+training resumed like one process that never stopped."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rank_checks import ranks_run
 
 from coconetc.sourcefile import load_file
 from coconetc.toolchain import probes
@@ -29,6 +36,7 @@ pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
+SHARDED = ROOT / "examples" / "train_sharded.py"
 TINY = ["--steps", "3", "--layers", "1", "--hidden", "16", "--heads", "2", "--ffn", "2", "--vocab", "32",
         "--seq", "8"]
 TOL = 1e-5
@@ -54,9 +62,11 @@ def _sections(out: str) -> dict[str, list[str]]:
     return got
 
 
-def _check(res: subprocess.CompletedProcess, modes: list[str], ranks: int) -> dict[str, list[str]]:
+def _check(res: subprocess.CompletedProcess, modes: list[str], ranks: int,
+           steps: dict[str, list[int]] | None = None) -> dict[str, list[str]]:
     """The run passed, and its numbers say so: each mode's summary row under the tolerance, every
-    parameter's gradient row `ok`, the losses falling over the 3 steps."""
+    parameter's gradient row `ok`, the loss rows of STEPS (mode -> the steps printed; default
+    0, 1, 2), the loss falling from step 0."""
     out = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, out
     summary = [ln.split() for ln in res.stdout.splitlines()[-len(modes):]]
@@ -73,9 +83,11 @@ def _check(res: subprocess.CompletedProcess, modes: list[str], ranks: int) -> di
                          "blocks.*.ln2_w", "blocks.*.ln2_b", "blocks.*.w_fc", "blocks.*.b_fc", "blocks.*.w_proj",
                          "blocks.*.b_proj"}, out
         assert all(float(row[1]) < TOL and row[2] == "ok" for row in rows), out
-        steps = [ln.split() for ln in sections[mode] if ln.split()[0].isdigit()]
-        assert [int(s[0]) for s in steps] == [0, 1, 2], out
-        assert float(steps[2][1]) < float(steps[0][1]), out  # it learns
+        rows = [ln.split() for ln in sections[mode] if ln.split()[0].isdigit()]
+        assert [int(s[0]) for s in rows] == (steps or {}).get(mode, [0, 1, 2]), out
+        assert all(float(s[3]) < TOL for s in rows), out
+        if int(rows[0][0]) == 0:
+            assert float(rows[-1][1]) < float(rows[0][1]), out  # it learns
     return sections
 
 
@@ -116,6 +128,65 @@ def test_the_pipeline_program_trains_like_one_process(tmp_path):
     res = _train(tmp_path, 4, "pp_tp", "--layers", "4", "--from-schedule", "--order", "zero_bubble")
     _check(res, ["pp_tp/zero_bubble"], 4)
     assert "(stages: gpt_pipeline.ccn's schedule pp_zero_bubble)" in res.stdout
+
+
+def _train_sharded(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    """examples/train_sharded.py ARGS on the pool of RANKS ranks, as `coconetc launch -n RANKS
+    python .../train_sharded.py ARGS` runs it (in the test's working directory)."""
+    shown = f"coconetc launch -n {ranks} python /path/to/coconet/examples/train_sharded.py {' '.join(args)}"
+    assert shown in (ROOT / "docs" / "train_gpt.md").read_text()  # the command the page shows
+    return ranks_run(ranks, [str(SHARDED), *args], timeout=600)
+
+
+def _check_sharded(res: subprocess.CompletedProcess, ranks: int, resumed_here: bool, blocks: str = "torch") -> None:
+    """train_sharded.py's report (BLOCKS: its --blocks): 10 steps like one process (every
+    parameter's gradient part, the losses); the checkpoint resumed for steps 10 to 12 like one
+    process going on; loaded on the ranks that saved it, the parts and AdamW's state bit for bit
+    the saved ones."""
+    steps = {f"sharded/{blocks}": [0, 1, 2, 4, 9], f"resumed/{blocks}": [10, 11, 12]}
+    modes = list(steps) if resumed_here else [f"resumed/{blocks}"]
+    sections = _check(res, modes, ranks, steps)
+    head = res.stdout.split("\n== ")[1]
+    assert f"sharded over {ranks} ranks (coconetc.torch.shard" in head, res.stdout
+    if resumed_here:
+        assert sections[f"resumed/{blocks}"][-1] == (f"resumed/{blocks}: the loaded parts and AdamW's state are the "
+                                                     "saved ones, bit for bit: yes"), res.stdout
+
+
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_sharded_gpt_trains_like_one_process_and_resumes_its_checkpoint(tmp_path, monkeypatch):
+    """train_sharded.py --save on 2 ranks: the checkpoint written, then loaded into a fresh model
+    on the same ranks and trained on."""
+    monkeypatch.chdir(tmp_path)
+    res = _train_sharded(2, "--save", "ckpt.pt")
+    _check_sharded(res, 2, resumed_here=True)
+    assert (tmp_path / "ckpt.pt").exists()
+
+
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_sharded_gpt_checkpoint_of_4_ranks_resumes_on_2(tmp_path, monkeypatch):
+    """Saved on 4 ranks (and resumed there), loaded on 2 (--load): the whole-tensor checkpoint
+    resumes on another rank count like one process that trained from the start (10 to 12 s with
+    both pools started here: not marked slow)."""
+    monkeypatch.chdir(tmp_path)
+    _check_sharded(_train_sharded(4, "--save", "ckpt4.pt"), 4, resumed_here=True)
+    res = _train_sharded(2, "--load", "ckpt4.pt")
+    _check_sharded(res, 2, resumed_here=False)
+    assert "ckpt4.pt (AdamW's step 10) loaded on 2 ranks into a fresh model" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_sharded_gpt_with_coconet_blocks_and_its_checkpoint_in_torch_blocks(tmp_path, monkeypatch):
+    """--blocks coconet: gpt_block.ccn's compiled blocks (whole weights, one-rank groups) under
+    shard() on 2 ranks, saved and resumed; the checkpoint (the same names and shapes as the torch
+    blocks') resumed by the torch blocks on 4 ranks. Slow: it builds gpt_block (the tp test's
+    module) when no test did; about 10 s once built."""
+    import coconetc
+    coconetc.load(SCRIPT.with_name("gpt_block.ccn"), log=lambda msg: None, grad=("gpt_block",))
+    monkeypatch.chdir(tmp_path)
+    _check_sharded(_train_sharded(2, "--blocks", "coconet", "--save", "ckc.pt"), 2, True, "coconet")
+    _check_sharded(_train_sharded(4, "--load", "ckc.pt"), 4, resumed_here=False)
 
 
 def _script():
