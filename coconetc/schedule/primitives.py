@@ -75,6 +75,20 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
                                 "the last dim, which the slice would cut")
 
 
+def _listed(p: Program, d: Reorder) -> list[str]:
+    """The stages a reorder moves: at least one, each once."""
+    if not d.stages:
+        readers = [u.name for u in p.users(d.ag)]
+        raise ScheduleError(span_of(d, d.ag), "reorder", d.ag,
+                            "no stage to move: name the stages that read it, as in "
+                            f"reorder({d.ag}, {', '.join(readers) or '...'})")
+    moved = list(dict.fromkeys(d.stages))
+    if len(moved) != len(d.stages):
+        twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
+        raise ScheduleError(span_of(d, twice + "#2"), "reorder", twice, "the stage is listed twice")
+    return moved
+
+
 def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
     """agm, agw = reorder(ag, m1, w1)
 
@@ -90,15 +104,7 @@ def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
     if not (isinstance(ag.expr, Op) and ag.expr.op == "allgather" and isinstance(ag.expr.args[0], Ref)):
         raise ScheduleError(span_of(d, d.ag), "reorder", d.ag, "the first argument must be an allgather stage")
     src = ag.expr.args[0].name
-    if not d.stages:
-        readers = [u.name for u in p.users(ag.name)]
-        raise ScheduleError(span_of(d, d.ag), "reorder", d.ag,
-                            "no stage to move: name the stages that read it, as in "
-                            f"reorder({d.ag}, {', '.join(readers) or '...'})")
-    moved = list(dict.fromkeys(d.stages))
-    if len(moved) != len(d.stages):
-        twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
-        raise ScheduleError(span_of(d, twice + "#2"), "reorder", twice, "the stage is listed twice")
+    moved = _listed(p, d)
     original = p
     try:
         p = _retype_moved(p, ag, src, moved, d)
