@@ -44,6 +44,15 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def content_key(parts: list[str]) -> str:
+    """A short hash of PARTS (a cache key: what a build's or a record's contents depend on)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
 @cache
 def python_hash() -> str:
     """coconetc's version and own Python sources (the parser, the checker, the planner and the
@@ -57,11 +66,8 @@ def python_hash() -> str:
 
 
 def _parsed(file: str, text: str, imported: list[str]) -> Path:
-    h = hashlib.sha256(python_hash().encode())
-    for part in (file, str(Path(file).absolute()), text, *imported):
-        h.update(part.encode())
-        h.update(b"\0")
-    return cache_dir().absolute() / PARSED / f"{h.hexdigest()[:24]}.pickle"
+    key = content_key([python_hash(), file, str(Path(file).absolute()), text, *imported])
+    return cache_dir().absolute() / PARSED / f"{key}.pickle"
 
 
 def recall_parsed(file: str, text: str, imported: list[str]) -> Any:

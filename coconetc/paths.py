@@ -81,3 +81,9 @@ def imported_files(importer: str | Path, text: str) -> list[Path]:
     """The files TEXT (the .ccn file IMPORTER) imports programs from, directly (what a cache of
     its module must key on besides its own text)."""
     return [import_path(importer, m) for m in _IMPORT.findall(text)]
+
+
+def imported_texts(importer: str | Path, text: str) -> list[str]:
+    """The texts of the files TEXT imports from ("" for one that is missing: its load fails, and
+    names it), what a cache of its load keys on besides TEXT."""
+    return [f.read_text() if f.is_file() else "" for f in imported_files(importer, text)]

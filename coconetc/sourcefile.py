@@ -24,7 +24,7 @@ from coconetc.frontend.parser import parse
 from coconetc.ir import ops
 from coconetc.ir.nodes import Program
 from coconetc.ir.ops import OpDef
-from coconetc.paths import imported_files
+from coconetc.paths import imported_texts
 from coconetc.plan import Plan, plan_program
 from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
@@ -105,26 +105,17 @@ def load_file(path: str | Path) -> SourceFile:
 def load_source(source: str, file: str = "<string>") -> SourceFile:
     """SOURCE (the text of FILE) parsed, checked, scheduled and planned; remembered in the cache
     (coconetc/cache.py: parsed files), so that the same text loads from its record next time."""
-    imported = _imported_texts(file, source)
-    remembered = None if ops.added() or imported is None else cache.recall_parsed(file, source, imported)
+    imported = imported_texts(file, source)
+    remembered = None if ops.added() else cache.recall_parsed(file, source, imported)
     if isinstance(remembered, SourceFile):
         return remembered
     tree = parse(source, file)
     mod = SourceFile(file, source)
     with ops.extern_scope(mod.externs):  # the names the file writes mean its own declarations
         mod = _checked(mod, tree)
-    if imported is not None and not mod.externs and not ops.added():
+    if not mod.externs and not ops.added():
         cache.remember_parsed(file, source, imported, mod)
     return mod
-
-
-def _imported_texts(file: str, source: str) -> list[str] | None:
-    """The texts of the files SOURCE imports from (part of its record's key); None when one
-    cannot be read (the load reports it: nothing is remembered)."""
-    try:
-        return [f.read_text() for f in imported_files(file, source)]
-    except OSError:
-        return None
 
 
 def _checked(mod: SourceFile, tree) -> SourceFile:

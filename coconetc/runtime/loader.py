@@ -15,7 +15,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coconetc.paths import imported_files
+from coconetc.paths import imported_texts
 from coconetc.runtime import warm
 from coconetc.runtime.module import CompiledModule, ProgramFunction
 from coconetc.runtime.tuned import tuned_schedules, with_tuned
@@ -49,7 +49,7 @@ def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), librar
     text = path.read_text()
     options = (tuple(map(str, include_dirs)), tuple(map(str, library_dirs)), tuple(map(str, libraries)), tuple(grad))
     # the programs it imports are part of its module
-    deps = "".join(f.read_text() if f.is_file() else "" for f in imported_files(path, text))
+    deps = "".join(imported_texts(path, text))
     key = warm.key(path, text + deps, tuned_schedules(text), options)
     rec = warm.recall(key)
     if rec is not None:

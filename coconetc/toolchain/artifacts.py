@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coconetc.cache import write_atomic
+from coconetc.cache import content_key as content_key, write_atomic  # (content_key: the builds' callers find it here)
 from coconetc.toolchain.probes import BuildError
 
 MANIFEST = "manifest.json"
@@ -39,15 +39,6 @@ LIBRARIES_FILE = "libraries.txt"  # the other shared objects its module maps (th
 SUM = ".sum"  # beside a cached object: "<size> <sha256>" of it
 STALE_S = 24 * 3600  # a temporary build folder this old was left by a build that was killed
 Run = Callable[[Path, Path, Any], None]  # (source folder, build folder, log): builds the module
-
-
-def content_key(parts: list[str]) -> str:
-    """A short hash of PARTS (a cache key: what a build's output depends on)."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
 
 
 def _sha256(path: Path) -> str:
