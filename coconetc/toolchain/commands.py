@@ -293,11 +293,33 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
                                         ".cu", text, _compiled(bind_cmd, "compiling the emulation's Python binding "
                                                                "(once per machine)", log))
         build.mkdir(parents=True, exist_ok=True)
-        cmd = [*_emulated_flags(runtime), "-shared", "-x", "c++", str(src / "module.cu"), "-x", "none", str(bound),
+        # the installed runtime's headers precompiled (an edited copy's are not: GCC would take a
+        # precompiled header found first on the path whatever the copy's headers say)
+        pch = [f"-I{emulated_header(key_parts, log)}"] if runtime == runtime_dir() else []
+        cmd = [*_emulated_flags(runtime)[:1], *pch, *_emulated_flags(runtime)[1:], "-shared", "-x", "c++",
+               str(src / "module.cu"), "-x", "none", str(bound),
                f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                "-o", str(build / f"{name}.so")]
         _steps([("compiling (host emulation)", cmd)], src / "module.cu", log, quiet=True)
     return run
+
+
+def emulated_header(key_parts: list[str], log: Log | None) -> Path:
+    """The folder of coconet/cuda/runtime.cuh precompiled for the host emulation (GCC's
+    runtime.cuh.gch) with the emulation's options, once per machine (key_parts hash the runtime's
+    headers): put first on the include path, it spares every emulated module parsing the
+    emulation and the standard library (about a third of a small module's compile: sgd.ccn's
+    3.6 s of compiler time become 2.4 s at -O0). A module compiled with other options finds the
+    header itself (GCC skips a precompiled header that does not fit)."""
+    cmd = [*_emulated_flags(runtime_dir()), "-Wno-pragma-once-outside-header"]
+    header = runtime_dir() / "coconet" / "cuda" / "runtime.cuh"
+    folder = _objects_dir() / f"pch-emulate-{artifacts.content_key([*key_parts, *cmd])}"
+
+    def go(_: Path, out: Path) -> None:
+        _steps([("precompiling the emulation (once per machine)",
+                 [*cmd, "-c", "-x", "c++-header", str(header), "-o", str(out)])], header, log, quiet=True)
+    artifacts.cached_object(folder / "coconet" / "cuda", "runtime.cuh", ".options", " ".join(cmd), go, product=".gch")
+    return folder
 
 
 def _emulated_flags(runtime: Path) -> list[str]:
