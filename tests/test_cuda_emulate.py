@@ -574,45 +574,24 @@ def _grids(stderr: str) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-def _sym_runtime(where: Path, threads: int | None) -> Path | None:
-    """A copy of the runtime whose symmetric kernel runs blocks of THREADS threads instead of 512
-    (None: the runtime itself)."""
-    from coconetc.paths import runtime_dir
-    if threads is None:
-        return None
-    shutil.copytree(runtime_dir(), where)
-    sym = where / "coconet" / "cuda" / "symmetric.cuh"
-    text = sym.read_text()
-    assert text.count("constexpr int kSymThreads = 512;") == 1
-    sym.write_text(text.replace("constexpr int kSymThreads = 512;", f"constexpr int kSymThreads = {threads};"))
-    return where
-
-
 Case = tuple[str | Path, str, str]  # (example name or .ccn path, program, schedule)
 
 
-@pytest.fixture(scope="module")
-def sym_modules(tmp_path_factory):
+@pytest.fixture(scope="session")
+def sym_modules():
     """sym_modules(threads, cases) -> {case: (module name, .so)}: the symmetric kernel's schedules
-    (default SYM_CASES) built for the emulation against the runtime (threads: a copy with blocks
-    of that many threads), each built once for every test of this file that asks for it."""
+    (default SYM_CASES) built for the emulation (threads: with blocks of that many threads instead
+    of 512, the runtime's compile-time switch COCONET_EMULATE_SYM_THREADS), each built once into
+    the shared cache, two at a time."""
     from concurrent.futures import ThreadPoolExecutor
-    root = tmp_path_factory.mktemp("sym")
-    runtimes: dict[int | None, Path | None] = {}
-    done: dict[tuple[int | None, Case], tuple[str, Path]] = {}
 
     def build(threads: int | None = None, cases: list[Case] | None = None) -> dict[Case, tuple[str, Path]]:
         cases = cases or SYM_CASES
-        if threads not in runtimes:
-            runtimes[threads] = _sym_runtime(root / f"runtime{threads}", threads)
-        todo = [(c, root / f"b{threads}_{len(done) + i}") for i, c in enumerate(c for c in cases
-                                                                                 if (threads, c) not in done)]
+        defines = (f"COCONET_EMULATE_SYM_THREADS={threads}",) if threads else ()
         with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-            mods = pool.map(lambda t: compiler.build_emulated(_source(*t[0]), f"sym_{t[0][1]}_{t[0][2]}", t[1],
-                                                              runtime=runtimes[threads], log=lambda msg: None), todo)
-            for (c, _), mod in zip(todo, mods):
-                done[(threads, c)] = mod
-        return {c: done[(threads, c)] for c in cases}
+            mods = pool.map(lambda c: compiler.build_emulated(_source(*c), f"sym_{c[1]}_{c[2]}", log=lambda msg: None,
+                                                              defines=defines), cases)
+            return dict(zip(cases, mods))
     return build
 
 
@@ -667,8 +646,8 @@ def _sym_check(ranks: int, mods: dict[Case, tuple[str, Path]], sizes: list[int],
 
 
 SIZES_SYM = [10, 100, 1001, 4099, 8209]
-# (threads a block: 2 in the edited copy, None the unedited kernel's 512; sizes; threads a
-# multiprocessor; the rank counts; what the run must show at one size at least)
+# (threads a block: 2 compiled with -DCOCONET_EMULATE_SYM_THREADS=2, None the kernel's own 512;
+# sizes; threads a multiprocessor; the rank counts; what the run must show at one size at least)
 RUNS_SYM = {"many_blocks": (2, SIZES_SYM, 2048, (1, 3, 4), lambda grid, tiles: grid >= 100 and tiles <= grid),
             "many_tiles": (2, SIZES_SYM, 16, (1, 3, 4), lambda grid, tiles: tiles >= 10 * grid),
             "unedited_kernel": (None, [100003], 2048, (1, 4), lambda grid, tiles: tiles >= 4 * grid)}
@@ -680,8 +659,8 @@ def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules, run):
     """The grid is sized from the device and the same on every rank: one block per tile of the
     largest slice (a tile: the block's threads x V elements, in whole 16-element units), up to the
     smallest GPU's multiprocessors x resident blocks. The ranks emulate different multiprocessor
-    counts (COCONET_EMULATE_SMS=3,1,2,5). With blocks of 2 threads (an edited copy of
-    symmetric.cuh; tiles of 16 elements) at sizes 10 .. 8209 on R = 1, 3 and 4 (uneven
+    counts (COCONET_EMULATE_SMS=3,1,2,5). With blocks of 2 threads (symmetric.cuh
+    compiled with COCONET_EMULATE_SYM_THREADS=2; tiles of 16 elements) at sizes 10 .. 8209 on R = 1, 3 and 4 (uneven
     slices; R = 2 adds nothing R = 3 does not: the same smallest GPU, uneven slices too): many blocks (up to 514; a multiprocessor holds 1024 blocks of 2), then, with
     multiprocessors of 16 threads (COCONET_EMULATE_SM_THREADS), grids of 8 blocks (24 at R = 1)
     that take many tiles each (up to 22), the last one partial; with the unedited kernel (blocks

@@ -277,26 +277,30 @@ def cuda_module(name: str, key_parts: list[str], archs: str, libs: Libs) -> arti
 
 
 def emulated(name: str, runtime: Path, key_parts: list[str],
-             binding: tuple[Path, list[str]] | None = None) -> artifacts.Run:
+             binding: tuple[Path, list[str]] | None = None, defines: tuple[str, ...] = ()) -> artifacts.Run:
     """The host emulation of a CUDA module named NAME: module.cu compiled as C++ with
     -DCOCONET_EMULATE against RUNTIME (a copy of runtime_cpp/), linked with its binding
     (runtime/coconet/cuda/bind.cu, compiled the same way once per runtime: its key is
     key_parts, which hash RUNTIME's headers). binding: (runtime, key_parts) to compile the
-    binding against instead (a copy edited only where the module's own code reads it)."""
+    binding against instead (a copy edited only where the module's own code reads it). defines:
+    NAME=VALUE macros for the module and its binding (the runtime's compile-time switches, such
+    as COCONET_EMULATE_SYM_THREADS: a binding is compiled once for each set)."""
     def run(src: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
         blas_dir = str(Path(tc.blas_lib).parent)
         bind_rt, bind_parts = binding or (runtime, key_parts)
         text = (bind_rt / "coconet" / "cuda" / "bind.cu").read_text()
-        bind_cmd = [*_emulated_flags(bind_rt), *_python_includes(), "-x", "c++"]
+        flags = [f"-D{d}" for d in defines]
+        bind_cmd = [*_emulated_flags(bind_rt), *flags, *_python_includes(), "-x", "c++"]
         bound = artifacts.cached_object(_objects_dir(), artifacts.content_key([*bind_parts, *bind_cmd, text, "bind"]),
                                         ".cu", text, _compiled(bind_cmd, "compiling the emulation's Python binding "
                                                                "(once per machine)", log))
         build.mkdir(parents=True, exist_ok=True)
         # the installed runtime's headers precompiled (an edited copy's are not: GCC would take a
-        # precompiled header found first on the path whatever the copy's headers say)
-        pch = [f"-I{emulated_header(key_parts, log)}"] if runtime == runtime_dir() else []
-        cmd = [*_emulated_flags(runtime)[:1], *pch, *_emulated_flags(runtime)[1:], "-shared", "-x", "c++",
+        # precompiled header found first on the path whatever the copy's headers say), and not
+        # where a define changes what they declare
+        pch = [f"-I{emulated_header(key_parts, log)}"] if runtime == runtime_dir() and not defines else []
+        cmd = [*_emulated_flags(runtime)[:1], *pch, *_emulated_flags(runtime)[1:], *flags, "-shared", "-x", "c++",
                str(src / "module.cu"), "-x", "none", str(bound),
                f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                "-o", str(build / f"{name}.so")]

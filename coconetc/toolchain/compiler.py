@@ -205,23 +205,26 @@ def _build(mod: SourceFile, backend: str, src: Any, o: Options, run: artifacts.R
 
 
 def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = None,
-                   runtime: str | Path | None = None, log=None, installed_binding: bool = False) -> tuple[str, Path]:
+                   runtime: str | Path | None = None, log=None, installed_binding: bool = False,
+                   defines: tuple[str, ...] = ()) -> tuple[str, Path]:
     """A generated module.cu (its module named PROBE) built for the host emulation against
     RUNTIME (another copy of runtime_cpp/: tests edit it). installed_binding: link the binding
     compiled against the installed runtime (once per machine), not one of RUNTIME's own, where
-    RUNTIME's edits are to code only the module's functions run. Returns (module name, .so path),
-    cached by a hash of everything that goes in."""
+    RUNTIME's edits are to code only the module's functions run. defines: NAME=VALUE macros for
+    the module and its binding (the runtime's compile-time switches: COCONET_EMULATE_SYM_THREADS),
+    so that a variant is built once into the cache, as any module is. Returns (module name, .so
+    path), cached by a hash of everything that goes in."""
     why = emulation_missing()
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
     rt = Path(runtime).absolute() if runtime else runtime_dir()
     parts = _emulated_parts(rt)
     binding = (runtime_dir(), _emulated_parts(runtime_dir())) if installed_binding else None
-    key = artifacts.content_key([*parts, cu, *(binding[1] if binding else [])])
+    key = artifacts.content_key([*parts, cu, *(binding[1] if binding else []), *defines])
     name = f"{PREFIX[Target.EMULATED]}_{identifier(stem)}_{key}"
     where = Path(out_dir).absolute() if out_dir else cache_dir().absolute() / name
-    so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where, commands.emulated(name, rt, parts, binding),
-                         log)
+    so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where,
+                         commands.emulated(name, rt, parts, binding, defines), log)
     return name, so
 
 

@@ -59,7 +59,13 @@ namespace coconet {
 namespace cuda {
 
 // The kernel's blocks have kSymThreads threads; the grid is sized from the device (symmetric_grid).
+// The host emulation's tests compile blocks of a few threads (-DCOCONET_EMULATE_SYM_THREADS=2:
+// many blocks, many tiles a block, at sizes an emulated run can afford).
+#if defined(COCONET_EMULATE) && defined(COCONET_EMULATE_SYM_THREADS)
+constexpr int kSymThreads = COCONET_EMULATE_SYM_THREADS;
+#else
 constexpr int kSymThreads = 512;
+#endif
 // A tile is a whole number of these elements (a multiple of every vector width: 16 bytes of a
 // 1-byte type), so that each tile starts on a whole 16-byte vector of any operand's type.
 constexpr int64_t kSymUnit = 16;
