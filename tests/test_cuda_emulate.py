@@ -189,13 +189,11 @@ def _source(file: str | Path, program: str, sched: str) -> str:
     return generate(mod, compiler.PROBE, skip_unsupported=True, emulate=True).cu
 
 
-def _run_variant(tmp: Path, file: str, program: str, sched: str, cu: str, runtime: Path, size: int) -> str:
-    # the edits are to pipeline(), join() and the generated function: code only the module runs,
-    # so the binding compiled once against the installed runtime serves every variant
-    name, so = compiler.build_emulated(cu, f"race_{file}", tmp / f"b{abs(hash((cu, runtime)))}", runtime=runtime,
-                                         log=lambda msg: None, installed_binding=True)
-    res = _launch(2, ["race", str(EX / f"{file}.ccn"), program, sched, str(so), name, str(size)],
-                  env={"COCONET_CUDA_CHUNK": "2", "COCONET_CUDA_FUSED": "pipeline"}, timeout=300)
+def _run_variant(file: str, program: str, sched: str, cu: str, size: int, drop: str = "") -> str:
+    # built once into the shared cache (the unedited module serves every dropped wait of a header)
+    name, so = compiler.build_emulated(cu, f"race_{file}", log=lambda msg: None)
+    env = {"COCONET_CUDA_CHUNK": "2", "COCONET_CUDA_FUSED": "pipeline", **({"COCONET_EMULATE_DROP_WAIT": drop} if drop else {})}
+    res = _launch(2, ["race", str(EX / f"{file}.ccn"), program, sched, str(so), name, str(size)], env=env, timeout=300)
     return res.stdout + res.stderr
 
 
@@ -207,39 +205,36 @@ RACE_CASES = [  # (file, program, schedule, size): a fused and an overlap schedu
 
 @pytest.mark.slow
 @pytest.mark.parametrize("file, program, sched, size", RACE_CASES)
-def test_race_every_stream_wait_removed_is_reported(tmp_path, file, program, sched, size):
+def test_race_every_stream_wait_removed_is_reported(file, program, sched, size):
     """Unchanged, the run passes; with any one stream wait of its pipeline removed (a
-    cudaStreamWaitEvent of coconet::cuda::pipeline (cuda/fused.cuh) or join (cuda/core.cuh), or
-    a join call in the generated function), every run fails naming the buffer and both streams."""
+    cudaStreamWaitEvent of coconet::cuda::pipeline (cuda/fused.cuh) or join (cuda/core.cuh),
+    dropped at run time by the emulation's COCONET_EMULATE_DROP_WAIT=HEADER:LINE, or a join call
+    of the generated function, edited out of its text), every run fails naming the buffer and
+    both streams."""
     from coconetc.codegen.naming import function_name
     from coconetc.paths import runtime_dir
     cu = _source(file, program, sched)
     fn = function_name(program, sched)
-    rt = tmp_path / "runtime"
-    shutil.copytree(runtime_dir(), rt)
-    headers = {h: (rt / "coconet" / "cuda" / h).read_text() for h in ("fused.cuh", "core.cuh")}
-    variants: list[tuple[str, str, str, str]] = []  # (what, module.cu, the header edited, its text)
+    headers = {h: (runtime_dir() / "coconet" / "cuda" / h).read_text() for h in ("fused.cuh", "core.cuh")}
+    variants: list[tuple[str, str, str]] = []  # (what, module.cu, the wait dropped: HEADER:LINE)
+
+    def waits(header: str, function: str, label: str) -> None:
+        h = headers[header]
+        for at in _waits_in(h, function):
+            variants.append((label + h[at:h.index(";", at)], cu, f"{header}:{h.count(chr(10), 0, at) + 1}"))
     if "coconet::cuda::pipeline<" in cu:
-        h = headers["fused.cuh"]
-        for at in _waits_in(h, "void pipeline("):
-            variants.append((h[at:h.index(";", at)], cu, "fused.cuh", _statement_removed(h, at)))
+        waits("fused.cuh", "void pipeline(", "")
     joins = _joins_in(cu, fn)
     if joins:
-        h = headers["core.cuh"]
-        for at in _waits_in(h, "inline void join("):
-            variants.append(("join(): " + h[at:h.index(";", at)], cu, "core.cuh", _statement_removed(h, at)))
+        waits("core.cuh", "inline void join(", "join(): ")
         for at in joins:
-            variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), "", ""))
+            variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), ""))
     assert len(variants) >= 3, variants
 
-    out = _run_variant(tmp_path, file, program, sched, cu, rt, size)
+    out = _run_variant(file, program, sched, cu, size)
     assert out.count(": ok") == 2 and "race on buffer" not in out, out
-    for what, vcu, header, text in variants:
-        vrt = tmp_path / f"rt{abs(hash((header, text)))}" if header else rt
-        if not vrt.exists():
-            shutil.copytree(rt, vrt)
-            (vrt / "coconet" / "cuda" / header).write_text(text)
-        out = _run_variant(tmp_path, file, program, sched, vcu, vrt, size)
+    for what, vcu, drop in variants:
+        out = _run_variant(file, program, sched, vcu, size, drop)
         assert "coconet emulate: race on buffer '" in out, f"removed {what}: not reported\n{out[-3000:]}"
         line = next(ln for ln in out.splitlines() if "race on buffer" in ln)
         assert re.search(r"stream #\d+", line) and "the call's stream" in line, line
