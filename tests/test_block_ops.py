@@ -576,6 +576,7 @@ def test_torch_function_of_the_attention_matches_torch_on_two_ranks(tmp_path, ba
     assert len(lines) == 2 and all(float(ln[-1]) < 1e-10 for ln in lines), res.stdout + res.stderr[-3000:]
 
 
+@pytest.mark.slow  # (the CPU backend's run of the same programs is in make test-quick)
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(tmp_path):
     from coconetc import toolchain

@@ -314,6 +314,7 @@ def test_cpu_matches_interpreter(request, capfd):
         _check(capfd, ranks, *_jobs(ranks))
 
 
+@pytest.mark.slow  # (the CPU backend's run of the same programs is in make test-quick)
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(request, capfd):
     from coconetc.runtime.cuda import load_emulated

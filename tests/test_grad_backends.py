@@ -187,6 +187,7 @@ def _index_counts(out: str) -> tuple[int, int]:
     return int(found[0][0]), int(found[0][1])
 
 
+@pytest.mark.slow  # (the CPU backend's run of the same programs is in make test-quick)
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(tmp_path_factory):
     from coconetc import toolchain

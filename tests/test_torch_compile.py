@@ -160,6 +160,7 @@ def test_compiled_model_matches_eager_and_autograd(built, backend):
             torch.testing.assert_close(a, c, **TOL)
 
 
+@pytest.mark.slow  # (in make test-quick: the CPU module compiled, and this module emulated, test_torch_function.py)
 def test_cuda_backend_under_the_emulation(built, monkeypatch):
     """backend="cuda" under COCONET_CUDA_EMULATE=1 (the CUDA module on the host, CPU tensors;
     the module tests/test_torch_function.py builds): its own operators ("emu"), compiled with
