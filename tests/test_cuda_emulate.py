@@ -684,8 +684,15 @@ def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules, run):
 TILES = REPO / "tests" / "programs" / "sym_tiles.ccn"  # 2-d: avg f32, max bf16, min f16
 
 
+# (threads a block, None: the kernel's own 512; rank counts; sizes N of the [N, N] tensors; threads
+# a multiprocessor)
+RUNS_TILES = {"blocks_of_2": (2, (2, 3), [7, 41], 2048), "many_tiles_a_block": (2, (2, 3), [7, 41], 16),
+              "unedited_kernel": (None, (2, 4), [91], 2048)}
+
+
 @pytest.mark.slow
-def test_symmetric_kernel_tiles_of_uneven_slices(sym_modules):
+@pytest.mark.parametrize("run", RUNS_TILES)
+def test_symmetric_kernel_tiles_of_uneven_slices(sym_modules, run):
     """Slices that are no whole number of tiles, on ranks with fewer tiles than the grid has
     blocks (blocks with no tile; the grid is one block per tile of the largest slice): fused
     reduce-scatters along dim 0 of [N, N] tensors (slices of whole rows, the last rank's short),
@@ -694,23 +701,23 @@ def test_symmetric_kernel_tiles_of_uneven_slices(sym_modules):
     tiles), on multiprocessors of 2048 threads (a block a tile) and of 16 (8 blocks, many tiles
     each); with the unedited kernel (tiles of 2048 f32 or 4096 f16/bf16 elements) at N = 91 (4
     ranks: 2093, 2093, 2093, 2002 elements; 2 ranks: 4186, 4095). Every call matches the
-    interpreter, on every rank with the grid expected for it, and each program has a call in
-    which some rank's slice is no whole number of tiles and has fewer tiles than the grid."""
+    interpreter, on every rank with the grid expected for it, and in each run every program has a
+    call in which some rank's slice is no whole number of tiles and has fewer tiles than the grid.
+    One test a run, so that they run side by side."""
+    threads, ranks_list, sizes, sm_threads = RUNS_TILES[run]
     cases = [(TILES, prog, "fused") for prog in ("avg2", "max2", "min2")]
-    runs = [(2, (2, 3), [7, 41], 2048), (2, (2, 3), [7, 41], 16), (None, (2, 4), [91], 2048)]
     short: set[str] = set()
-    for threads, ranks_list, sizes, sm_threads in runs:
-        mods = sym_modules(threads, cases)
-        for ranks in ranks_list:
-            checked = _sym_check(ranks, mods, sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
-            for case, grids in checked.items():
-                tile = _tile(*case, threads or 512)
-                for k, n in enumerate(sizes):
-                    sl = _slices(n, n, ranks)
-                    grid = _grid(sl, tile, threads or 512, sm_threads)
-                    assert grids[0][k][0] == grid, (case, ranks, n, grids[0], grid)
-                    if any(m % tile and -(-m // tile) < grid for m in sl):
-                        short.add(case[1])
+    mods = sym_modules(threads, cases)
+    for ranks in ranks_list:
+        checked = _sym_check(ranks, mods, sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
+        for case, grids in checked.items():
+            tile = _tile(*case, threads or 512)
+            for k, n in enumerate(sizes):
+                sl = _slices(n, n, ranks)
+                grid = _grid(sl, tile, threads or 512, sm_threads)
+                assert grids[0][k][0] == grid, (case, ranks, n, grids[0], grid)
+                if any(m % tile and -(-m // tile) < grid for m in sl):
+                    short.add(case[1])
     assert short == {"avg2", "max2", "min2"}, short
 
 
