@@ -1,9 +1,13 @@
 """Sharded parameters on 2 ranks, memory and speed side by side: a nanoGPT of about 20M
 parameters (bench/nanogpt.py: d 512, 6 layers, 8 heads, vocabulary 2048, head tied to the token
 embedding; f32), data parallel on random tokens, AdamW(fused=True) (nanoGPT's two groups), in
-three ways:
+five ways:
 
-  * coconetc.torch.shard (parameters, gradients and AdamW's state sharded over the ranks, MPI)
+  * coconetc.torch.shard (parameters, gradients and AdamW's state sharded over the ranks, MPI),
+    gathered a unit at a time (each block a unit, the rest the root's), prefetch 1, resharded
+    after each block's forward (the defaults)
+  * the same with reshard_after_forward=False (each block's whole weights kept for its backward)
+  * the same as one unit (units=[]: the whole model gathered for the step)
   * torch FSDP2: fully_shard on each block, then on the model (gloo)
   * DDP (gloo): every rank holds everything
 
@@ -40,9 +44,12 @@ import common  # noqa: E402
 CONFIG = dict(block_size=64, vocab_size=2048, n_layer=6, n_head=8, n_embd=512, dropout=0.0, bias=True)
 HP = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
 WD = 0.1
-SHARD, FSDP2, DDP = "coconetc.torch.shard + AdamW(fused)", "FSDP2 fully_shard (gloo) + AdamW(fused)", \
-    "DDP (gloo) + AdamW(fused)"
-VARIANTS = (SHARD, FSDP2, DDP)
+SHARD = "coconetc.torch.shard, units, prefetch 1 + AdamW(fused)"
+SHARD_KEPT = "coconetc.torch.shard, units, reshard_after_forward=False + AdamW(fused)"
+SHARD_ONE = "coconetc.torch.shard, one unit + AdamW(fused)"
+FSDP2, DDP = "FSDP2 fully_shard (gloo) + AdamW(fused)", "DDP (gloo) + AdamW(fused)"
+VARIANTS = (SHARD, SHARD_KEPT, SHARD_ONE, FSDP2, DDP)
+SHARDINGS = {SHARD: {}, SHARD_KEPT: {"reshard_after_forward": False}, SHARD_ONE: {"units": []}}
 MIB = 1 << 20
 
 
@@ -64,9 +71,9 @@ def adamw(model: Any) -> Any:
 
 def wrap(name: str, model: Any, comm: Any) -> Any:
     """MODEL made the variant NAME (in place where the variant does so); the module to call."""
-    if name == SHARD:
+    if name in SHARDINGS:
         import coconetc.torch as ct
-        ct.shard(model, comm=comm)
+        ct.shard(model, comm=comm, **SHARDINGS[name])
         return model
     common.gloo(comm)
     if name == DDP:
