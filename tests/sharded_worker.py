@@ -31,7 +31,7 @@ MODE units           Stack (a root Linear on each side of a ModuleList of blocks
                       gathered a unit at a time (the default units; reshard_after_forward True and
                       False; prefetch 0, 1, 2), and by named units (nested ones, a tied weight), 5
                       AdamW steps against one process: losses, gradients of the parts each step,
-                      whole parameters after (1e-5)
+                      whole parameters after (1e-5); two forwards before one backward
 MODE unit_memory     Chain (a ModuleList of Linear blocks only) with reshard_after_forward=True,
                       prefetch 0, 1, 2: at every layer's forward and backward, the bytes of whole
                       weights alive (tensors found by the garbage collector holding a sharded
@@ -337,6 +337,20 @@ class Worker:
                 self.check(f"units:R{self.R}:reshard={reshard}:prefetch={prefetch}",
                            lambda r=reshard, p=prefetch: self._units(dict(reshard_after_forward=r, prefetch=p)))
         self.check(f"units:R{self.R}:named", lambda: self._units(dict(units=NAMED_UNITS, prefetch=1), tied=True))
+        self.check(f"units:R{self.R}:two_forwards", self._two_forwards)
+
+    def _two_forwards(self) -> str | None:
+        """Two forwards (this rank's rows in two halves), then one backward of their sum."""
+        m, ref = Stack(0), Stack(0)
+        sh = ct.shard(m, reduce="sum", **STACK_SHARDING)  # type: ignore[arg-type]
+        x, y, lo, hi = self._batch(0)
+        mid = (lo + hi) // 2
+        (sum(((m(x[a:b]) - y[a:b]) ** 2).sum() for a, b in ((lo, mid), (mid, hi))) / B).backward()
+        (((ref(x) - y) ** 2).sum() / B).backward()
+        rp = dict(ref.named_parameters())
+        errs = [(p.grad - part(rp[n].grad, sh.dim(n), self.R, self.rank)).abs().max().item()
+                for n, p in m.named_parameters() if p.numel()]
+        return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
 
     def _units(self, how: dict, tied: bool = False) -> str | None:
         R, rank = self.R, self.rank

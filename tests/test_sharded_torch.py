@@ -61,7 +61,7 @@ def labels(R: int, modes: list[str]) -> list[str]:
             out.append(f"partial:R{R}")
         elif name == "units":
             out += [f"units:R{R}:reshard={r}:prefetch={p}" for r in (True, False) for p in (0, 1, 2)]
-            out.append(f"units:R{R}:named")
+            out += [f"units:R{R}:named", f"units:R{R}:two_forwards"]
         elif name == "unit_memory":
             out += [f"unit_memory:R{R}:prefetch={p}" for p in (0, 1, 2)] + [f"unit_memory:R{R}:kept"]
         else:

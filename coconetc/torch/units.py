@@ -8,7 +8,9 @@ forward pre-hook finishes the unit's all-gather (issued earlier, as a prefetch, 
 parts back on the owning modules and, with RESHARD after forward, frees the whole tensors'
 storage (the tensors autograd saved stay, empty), hooking the unit's outputs so that the
 backward gathers again into that storage before the unit's backward ops run, and starts the
-previous PREFETCH units' gathers (in the order the forward ran them). When the unit's backward
+previous PREFETCH units' gathers (in the order the forward ran them). What one forward of a unit
+left for its backward is a `Run`, held by that forward's graph alone (two forwards before one
+backward each have theirs). When the unit's backward
 ends (the `_Gather` node, every use of its whole tensors done) the whole tensors are freed and
 its gradients' reduce-scatter (and the whole parameters' all-reduce) starts, non-blocking; a
 callback at the end of the backward waits for every one and writes (accumulates) the parts'
@@ -21,6 +23,7 @@ used around every other unit's)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,20 +36,28 @@ from coconetc.torch.parts import _REDUCE_DTYPES, Parts, Spec, _padded, part_inde
 @dataclass(eq=False)
 class Unit:
     """One unit: its name ("" for the root), module, parameter names (in the handle's order)
-    and communicator; what it holds now."""
+    and communicator; its all-gather under way, if any."""
     name: str
     module: torch.nn.Module
     names: list[str]
     comm: Any = None
-    whole: list[torch.Tensor] | None = None  # the tensors its forward used (the sharded ones' storage may be freed)
     gather: tuple[Any, torch.Tensor] | None = None  # an all-gather under way: (request, its buffer)
-    graph: bool = False  # its last forward built a graph through it (its backward is due)
-    freed: bool = False  # its whole sharded tensors' storage is freed (gather again to use them)
-    done: bool = False  # its backward of the graph ran
-    wanted: list[bool] = field(default_factory=list)  # which parameters want a gradient (requires_grad)
+    run: Run | None = None  # its forward's, until the next forward of the model
 
     def label(self) -> str:
         return f"unit {self.name!r}" if self.name else "the root unit"
+
+
+@dataclass(eq=False)
+class Run:
+    """One forward of a unit with a graph, for its backward: the storage of each whole sharded
+    tensor it used (None for a parameter kept whole), whether freed, whether its backward ran.
+    Held by its graph (the _Gather node, the output hooks) and by the unit until the next forward."""
+    unit: Unit
+    wanted: list[bool]  # which parameters want a gradient (requires_grad)
+    storages: list[Any] = field(default_factory=list)
+    freed: bool = False
+    done: bool = False
 
 
 @dataclass(eq=False)
@@ -66,15 +77,27 @@ class _Gather(torch.autograd.Function):
     reduction started (their parts' .grad written at the end of the backward, not returned)."""
 
     @staticmethod
-    def forward(ctx: Any, units: Units, unit: Unit, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.units, ctx.unit = units, unit
+    def forward(ctx: Any, units: Units, run: Run, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.units, ctx.run = units, run
         ctx.set_materialize_grads(False)  # (an unused parameter's gradient comes as None, not zeros)
-        return tuple(units.finish_gather(unit, list(parts)))
+        wholes = units.finish_gather(run.unit, list(parts))
+        run.storages = [w.untyped_storage() if s.dim is not None else None
+                        for s, w in zip(units.specs(run.unit), wholes)]
+        return tuple(wholes)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        ctx.units.backward_ended(ctx.unit, list(grads))
+        ctx.units.backward_ended(ctx.run, list(grads))
         return (None, None, *(None for _ in grads))
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides."""
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= d
+    return tuple(reversed(out))
 
 
 class Units:
@@ -83,7 +106,7 @@ class Units:
     def __init__(self, parts: Parts, units: list[Unit], reshard: bool, prefetch: int):
         self.parts, self.units, self.reshard, self.prefetch = parts, units, reshard, prefetch
         self.root = units[0]
-        self.order: list[Unit] = []  # the units in the order this forward ran them
+        self.runs: list[weakref.ref[Run]] = []  # the forwards' runs not backwarded yet, in order
         self.pending: list[_Reduction] = []
         self.queued = False  # the end-of-backward callback is queued
 
@@ -95,10 +118,9 @@ class Units:
 
     # --- gathers -------------------------------------------------------------------------------
     def start_gather(self, u: Unit) -> None:
-        """Starts U's all-gather (in place in one byte buffer), unless its whole tensors are
-        there or their gather is under way."""
+        """Starts U's all-gather (in place in one byte buffer), unless one is under way."""
         from mpi4py import MPI
-        if u.gather is not None or (u.whole is not None and not u.freed):
+        if u.gather is not None:
             return
         p = self.parts
         cut = self._cut(u)
@@ -113,10 +135,11 @@ class Units:
         req = u.comm.Iallgatherv(MPI.IN_PLACE, [buf.numpy(), counts, displs, MPI.BYTE]) if cut else None
         u.gather = (req, buf)
 
-    def finish_gather(self, u: Unit, parts: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """U's gather waited for and its whole tensors written: into the freed storage of the
-        tensors its forward used (a gather again in the backward), else new ones (PARTS, this
-        rank's parts, give the whole parameters as they are)."""
+    def finish_gather(self, u: Unit, parts: list[torch.Tensor] | None = None,
+                      into: Run | None = None) -> list[torch.Tensor]:
+        """U's gather (started here if it was not) waited for and its whole tensors written: new
+        ones (PARTS, this rank's parts, give the whole parameters as they are), or, INTO a run,
+        into the freed storage of the tensors its forward used (a gather again in the backward)."""
         self.start_gather(u)
         assert u.gather is not None
         req, buf = u.gather
@@ -124,39 +147,45 @@ class Units:
             self.parts._wait(req, f"all-gather of {u.label()}", u.comm)
         u.gather = None
         p = self.parts
-        refill = u.whole is not None and u.freed
         out: list[torch.Tensor] = []
         displs = [sum(sum(_padded(s.nbytes(p.ranks, q)) for s in self._cut(u)) for q in range(r))
                   for r in range(p.ranks)]
         where = list(displs)
         for i, s in enumerate(self.specs(u)):
             if s.dim is None:
-                out.append(u.whole[i] if refill and u.whole is not None else parts[i].view_as(parts[i])
-                           if parts is not None else p._params[s.name].detach())
+                out.append(parts[i].view_as(parts[i]) if parts is not None else p._params[s.name].detach())
                 continue
-            if refill and u.whole is not None:
-                w = u.whole[i]
-                w.untyped_storage().resize_(w.numel() * w.element_size())
-                target = w.data  # (its own version counter: autograd's saved copy stays valid)
+            if into is not None:
+                st = into.storages[i]
+                size = int(np.prod(s.shape)) * s.dtype.itemsize
+                if st.nbytes() == size:  # (not freed: its storage was not resizable)
+                    where = [at + _padded(s.nbytes(p.ranks, r)) for r, at in enumerate(where)]
+                    out.append(torch.empty(0))
+                    continue
+                st.resize_(size)
+                w = torch.empty(0, dtype=s.dtype).set_(st, 0, s.shape, _strides(s.shape))  # (autograd's saved one's)
             else:
-                w = target = torch.empty(s.shape, dtype=s.dtype)
+                w = torch.empty(s.shape, dtype=s.dtype)
             for r in range(p.ranks):
                 n = s.nbytes(p.ranks, r)
                 idx = part_index(s.shape, s.dim, p.ranks, r)
-                target[idx].copy_(buf[where[r]:where[r] + n].view(s.dtype).view(s.part(p.ranks, r)))
+                w[idx].copy_(buf[where[r]:where[r] + n].view(s.dtype).view(s.part(p.ranks, r)))
                 where[r] += _padded(n)
             out.append(w)
-        u.freed = False
+        if into is not None:
+            into.freed = False
         return out
 
-    def free(self, u: Unit) -> None:
-        """U's whole sharded tensors' storage freed (the tensors stay, empty, where autograd
-        saved them)."""
-        if u.whole is not None and not u.freed:
-            for s, w in zip(self.specs(u), u.whole):
-                if s.dim is not None:
-                    w.untyped_storage().resize_(0)
-            u.freed = True
+    @staticmethod
+    def free(run: Run) -> None:
+        """RUN's whole sharded tensors' storage freed (the tensors stay, empty, where autograd
+        saved them); one handed to numpy (tensor.numpy(), as a compiled coconet program's
+        arguments are) is not resizable and stays until its graph goes."""
+        if not run.freed:
+            for st in run.storages:
+                if st is not None and st.resizable():
+                    st.resize_(0)
+                    run.freed = True
 
     def drop_gather(self, u: Unit) -> None:
         """A prefetched gather its unit did not use: waited for (every rank started it) and dropped."""
@@ -168,40 +197,33 @@ class Units:
     def before(self, u: Unit) -> list[torch.Tensor]:
         """U about to run: its whole tensors (the next PREFETCH units' gathers started first)."""
         if u is self.root:
-            self.order = []
-            for v in self.units:  # a forward whose graph was dropped without a backward
-                v.whole, v.freed, v.graph, v.done = None, False, False, False
+            for v in self.units:
+                v.run = None  # (a run lives on while its graph does)
+            self.runs = [r for r in self.runs if r() is not None]
         self.start_gather(u)
         at = self.units.index(u)
         for v in self.units[at + 1:at + 1 + self.prefetch]:
             self.start_gather(v)
         tensors: list[torch.Tensor] = [self.parts._params[n] for n in u.names]
-        u.wanted = [t.requires_grad for t in tensors]
-        u.graph = torch.is_grad_enabled() and any(u.wanted)
-        u.done = False
-        if u.graph:
-            wholes = list(_Gather.apply(self, u, *tensors))
-        else:
-            with torch.no_grad():
-                wholes = self.finish_gather(u, tensors)
-        u.whole, u.freed = wholes, False
-        if u not in self.order:
-            self.order.append(u)
-        return wholes
+        wanted = [t.requires_grad for t in tensors]
+        if torch.is_grad_enabled() and any(wanted):
+            u.run = Run(u, wanted)
+            self.runs.append(weakref.ref(u.run))
+            return list(_Gather.apply(self, u.run, *tensors))
+        u.run = None
+        with torch.no_grad():
+            return self.finish_gather(u, tensors)
 
     def after(self, u: Unit, output: Any) -> None:
-        """U has run: its whole tensors freed (no graph; or RESHARD, but the root's), its outputs
-        hooked to gather it again (and prefetch) when the backward reaches it."""
-        if not u.graph:
-            self.free(u)
-            u.whole = None
-        else:
+        """U has run: its whole tensors freed (no graph: dropped; RESHARD, but the root's: their
+        storage), its outputs hooked to gather it again (and prefetch) when the backward reaches it."""
+        run = u.run
+        if run is not None:
             if self.reshard and u is not self.root:
-                self.free(u)
-            tensors = [t for t in torch.utils._pytree.tree_leaves(output)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(lambda g, u=u: self.before_backward(u))
+                self.free(run)
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, run=run: self.before_backward(run))
         if u is self.root:
             for v in self.units:
                 self.drop_gather(v)  # (prefetched for a unit this forward did not run: stale after a step)
@@ -212,52 +234,49 @@ class Units:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
 
-    def before_backward(self, u: Unit) -> None:
-        """The backward reaches U's outputs: its whole tensors gathered again where freed, the
-        previous PREFETCH units' (in the forward's order) gathers started."""
+    def before_backward(self, run: Run) -> None:
+        """The backward reaches RUN's outputs: its whole tensors gathered again where freed, the
+        previous PREFETCH runs' (in the forwards' order) gathers started."""
         self._queue()
-        if not u.graph or u.done:
+        if not run.freed:
             return
-        if u.freed:
-            self.finish_gather(u)
-        if u in self.order:
-            at = self.order.index(u)
-            for v in reversed(self.order[max(0, at - self.prefetch):at]):
-                if v.graph and not v.done and v.freed:
-                    self.start_gather(v)
+        live = [r for r in (ref() for ref in self.runs) if r is not None]
+        if run in live:
+            at = live.index(run)
+            for r in reversed(live[max(0, at - self.prefetch):at]):
+                if r.freed and not r.done:
+                    self.start_gather(r.unit)
+        self.finish_gather(run.unit, into=run)
 
-    def backward_ended(self, u: Unit, grads: list[torch.Tensor | None]) -> None:
-        """U's backward has ended (its _Gather node ran): whole tensors freed, reduction started."""
+    def backward_ended(self, run: Run, grads: list[torch.Tensor | None]) -> None:
+        """RUN's backward has ended (its _Gather node ran): whole tensors freed, reduction started."""
         self._queue()
-        u.done = True
-        self.free(u)
-        u.whole = None
-        self.start_reduce(u, grads)
+        run.done = True
+        self.free(run)
+        self.start_reduce(run, grads)
 
     def after_backward(self) -> None:
-        """The end of the backward: a unit whose backward did not run here (its outputs did not
+        """The end of the backward: a run whose backward did not run here (its outputs did not
         reach the loss on this rank) joins its collectives with no gradients; then every
         reduction is waited for and the parts' gradients written."""
-        self.queued = False
-        for u in self.order:
-            if u.graph and not u.done:
-                if u.freed:
-                    self.finish_gather(u)  # (the other ranks gathered it again)
-                self.backward_ended(u, [None] * len(u.names))
-        for u in self.units:
-            u.graph = False
+        for r in [ref() for ref in self.runs]:
+            if r is not None and not r.done:
+                if r.freed:
+                    self.finish_gather(r.unit, into=r)  # (the other ranks gathered it again)
+                self.backward_ended(r, [None] * len(r.unit.names))
+        self.runs = []
         self.queued = False
         self.flush()
 
     # --- gradients -----------------------------------------------------------------------------
-    def start_reduce(self, u: Unit, grads: list[torch.Tensor | None]) -> None:
+    def start_reduce(self, run: Run, grads: list[torch.Tensor | None]) -> None:
         """U's wanted gradients summed over the ranks, non-blocking: which exist on some rank (an
         all-reduce of flags), the sharded ones reduce-scattered to the parts, the whole ones
         all-reduced; in float32 (float64 for float64 parameters), one collective of each kind
         per such dtype. A gradient missing here counts as zeros."""
         from mpi4py import MPI
-        p = self.parts
-        wanted = [i for i, w in enumerate(u.wanted) if w]
+        p, u = self.parts, run.unit
+        wanted = [i for i, w in enumerate(run.wanted) if w]
         if not wanted:
             return
         specs = self.specs(u)
