@@ -206,6 +206,9 @@ def test_frozen_and_unused_parameters_get_no_gradient_as_in_one_process():
     (dict(reduce="mean"), ValueError, "'avg' (as DDP and FSDP) or 'sum'"),
     (dict(dims={"0.weight": 2}), ValueError, "'0.weight' is shaped (3, 2): it has no dim 2"),
     (dict(params=["1.weight"]), ValueError, "no parameter '1.weight'"),
+    (dict(units=["1"]), ValueError, "units: the module has no submodule '1'"),
+    (dict(units="0"), TypeError, "units must be a list of submodule names"),
+    (dict(prefetch=-1), ValueError, "prefetch must be an int >= 0"),
 ])
 def test_shard_argument_errors(kwargs, error, needle):
     with pytest.raises(error) as err:

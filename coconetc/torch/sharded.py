@@ -6,6 +6,7 @@ part a `.ccn` program's `sliced(d)` parameter takes, so a shard is passed to a p
     sharded = coconetc.torch.shard(model, min_numel=1024)   # in place; every rank together
     opt = torch.optim.AdamW(model.parameters())             # it steps this rank's shards
     loss_fn(model(x), y).backward(); opt.step()             # forward gathers, backward reduce-scatters
+                                                            # (a unit at a time: units.py)
     sharded.save("ckpt.pt")                                 # whole tensors, any rank count loads it
 
 Each `Sharded` call that communicates (shard, a forward, full, gathered, state_dict,

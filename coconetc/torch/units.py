@@ -13,8 +13,9 @@ left for its backward is a `Run`, held by that forward's graph alone (two forwar
 backward each have theirs). When the unit's backward
 ends (the `_Gather` node, every use of its whole tensors done) the whole tensors are freed and
 its gradients' reduce-scatter (and the whole parameters' all-reduce) starts, non-blocking; a
-callback at the end of the backward waits for every one and writes (accumulates) the parts'
-.grad. Each unit has a communicator of its own (a Dup of the handle's), so that the ranks may
+unit's reduction is waited for when the next one starts (so that one unit's gradient buffers
+are in flight at a time, not the model's), the last at the end of the backward, by a callback;
+each writes (accumulates) the parts' .grad. Each unit has a communicator of its own (a Dup of the handle's), so that the ranks may
 start the units' collectives in different orders (a unit whose backward never ran on a rank is
 caught up by that callback); every collective is waited for under coconet's watchdog.
 
@@ -319,11 +320,13 @@ class Units:
                     where[i] = flat[at:at + int(np.prod(specs[i].shape))].view(specs[i].shape)
                     at += where[i].numel()
         self.pending.append(_Reduction(u, reqs, flags, wanted, where, keep))
+        self.flush(leave=1)  # (the earlier ones had a unit's backward to progress: their buffers go)
 
-    def flush(self) -> None:
-        """Every reduction under way waited for, in the order started, and its gradients
-        written to the parts' .grad (added to one already there, as autograd accumulates)."""
-        pending, self.pending = self.pending, []
+    def flush(self, leave: int = 0) -> None:
+        """Every reduction under way but the last LEAVE waited for, in the order started, and its
+        gradients written to the parts' .grad (added to one already there, as autograd accumulates)."""
+        cut = max(0, len(self.pending) - leave)
+        pending, self.pending = self.pending[:cut], self.pending[cut:]
         scale = 1 / self.parts.ranks if self.parts.reduce == "avg" else 1
         for red in pending:
             for req, what in red.reqs:
