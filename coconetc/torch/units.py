@@ -2,25 +2,29 @@
 only while its module runs, as FSDP2 gathers each `fully_shard`ed module.
 
 A unit is a submodule and the parameters its subtree owns that no deeper unit owns; the root
-unit is the whole module's remaining parameters (and every parameter tied across units). Its
-forward pre-hook finishes the unit's all-gather (issued earlier, as a prefetch, where PREFETCH
-> 0) and starts the next PREFETCH units' (in the order of the units); its forward hook puts the
-parts back on the owning modules and, with RESHARD after forward, frees the whole tensors'
-storage (the tensors autograd saved stay, empty), hooking the unit's outputs so that the
-backward gathers again into that storage before the unit's backward ops run, and starts the
-previous PREFETCH units' gathers (in the order the forward ran them). What one forward of a unit
-left for its backward is a `Run`, held by that forward's graph alone (two forwards before one
-backward each have theirs). When the unit's backward
-ends (the `_Gather` node, every use of its whole tensors done) the whole tensors are freed and
-its gradients' reduce-scatter (and the whole parameters' all-reduce) starts, non-blocking; a
-unit's reduction is waited for when the next one starts (so that one unit's gradient buffers
-are in flight at a time, not the model's), the last at the end of the backward, by a callback;
-each writes (accumulates) the parts' .grad. Each unit has a communicator of its own (a Dup of the handle's), so that the ranks may
-start the units' collectives in different orders (a unit whose backward never ran on a rank is
-caught up by that callback); every collective is waited for under coconet's watchdog.
+unit is the whole module's remaining parameters (and every parameter tied across units).
 
-The root unit is gathered for the whole forward and backward (the root's own parameters are
-used around every other unit's)."""
+Forward: a unit's pre-hook finishes its all-gather (started earlier, as a prefetch, where
+PREFETCH > 0) and starts the gathers of the PREFETCH units that followed it in the last forward
+(the first forward: in the order of the units); its forward hook puts the parts back on the
+owning modules and, with RESHARD after forward (not the root's), frees the whole tensors'
+storage (the tensors autograd saved stay, empty), hooking the unit's outputs. What one forward
+of a unit leaves for its backward is a `Run`, held by that forward's graph (several forwards
+before one backward each have theirs).
+
+Backward: when it reaches a unit's outputs, the unit is gathered again into that storage and
+the gathers of the PREFETCH units before it (in the forward's order) start. When the unit's
+backward ends (its `_Gather` node: every use of its whole tensors done) the whole tensors are
+freed and its gradients' reduce-scatter (and the whole parameters' all-reduce) starts,
+non-blocking; it is waited for when the next unit's starts (one unit's gradient buffers in flight
+at a time), the last at the end of the backward by a callback; each writes (accumulates) the
+parts' .grad.
+
+Each unit has a communicator of its own (a Dup of the handle's), so that the ranks may start the
+units' collectives in different orders (a unit whose backward did not run on a rank is caught up
+by that callback); every collective is waited for under coconet's watchdog. The root unit is
+gathered for the whole forward and backward (the root's own parameters are used around every
+other unit's)."""
 
 from __future__ import annotations
 
@@ -108,6 +112,8 @@ class Units:
         self.parts, self.units, self.reshard, self.prefetch = parts, units, reshard, prefetch
         self.root = units[0]
         self.runs: list[weakref.ref[Run]] = []  # the forwards' runs not backwarded yet, in order
+        self.order: list[Unit] = units  # the order the last forward ran the units in (first: as listed)
+        self.ran: list[Unit] = []  # the units this forward has run
         self.pending: list[_Reduction] = []
         self.queued = False  # the end-of-backward callback is queued
 
@@ -196,15 +202,19 @@ class Units:
 
     # --- forward -------------------------------------------------------------------------------
     def before(self, u: Unit) -> list[torch.Tensor]:
-        """U about to run: its whole tensors (the next PREFETCH units' gathers started first)."""
+        """U about to run: its whole tensors (the gathers of the PREFETCH units that ran after it
+        in the last forward started first)."""
         if u is self.root:
             for v in self.units:
                 v.run = None  # (a run lives on while its graph does)
             self.runs = [r for r in self.runs if r() is not None]
+            self.ran = []
         self.start_gather(u)
-        at = self.units.index(u)
-        for v in self.units[at + 1:at + 1 + self.prefetch]:
+        order = self.order if u in self.order else self.units
+        at = order.index(u)
+        for v in order[at + 1:at + 1 + self.prefetch]:
             self.start_gather(v)
+        self.ran.append(u)
         tensors: list[torch.Tensor] = [self.parts._params[n] for n in u.names]
         wanted = [t.requires_grad for t in tensors]
         if torch.is_grad_enabled() and any(wanted):
@@ -226,6 +236,7 @@ class Units:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, run=run: self.before_backward(run))
         if u is self.root:
+            self.order = self.ran  # (the next forward prefetches in this order)
             for v in self.units:
                 self.drop_gather(v)  # (prefetched for a unit this forward did not run: stale after a step)
 
