@@ -1,9 +1,13 @@
 """Sharded parameters on 2 ranks, memory and speed side by side: a nanoGPT of about 20M
 parameters (bench/nanogpt.py: d 512, 6 layers, 8 heads, vocabulary 2048, head tied to the token
 embedding; f32), data parallel on random tokens, AdamW(fused=True) (nanoGPT's two groups), in
-three ways:
+six ways:
 
-  * coconetc.torch.shard (parameters, gradients and AdamW's state sharded over the ranks, MPI)
+  * coconetc.torch.shard (parameters, gradients and AdamW's state sharded over the ranks, MPI),
+    gathered a unit at a time (each block a unit, the rest the root's), prefetch 1, resharded
+    after each block's forward (the defaults); the same with prefetch 0
+  * the same with reshard_after_forward=False (each block's whole weights kept for its backward)
+  * the same as one unit (units=[]: the whole model gathered for the step)
   * torch FSDP2: fully_shard on each block, then on the model (gloo)
   * DDP (gloo): every rank holds everything
 
@@ -15,17 +19,22 @@ another's): the bytes a rank holds between steps (its parameters, gradients and 
 counted from the tensors: a DTensor's local part, a storage once), and the growth of the rank's
 peak resident memory (ru_maxrss) from before the model is built through --check iterations (the
 whole parameters gathered in a step, the activations and communication buffers included;
-glibc's mmap threshold pinned so that freed tensors leave the process). A variant that fails
+glibc's mmap threshold pinned so that freed tensors leave the process), and the growth of the
+peak within the steps after the first above what the rank holds between them (the peak reset
+through /proc/self/clear_refs: the whole parameters gathered, activations, gradients and
+buffers of one step; it needs --check 2 or more). A variant that fails
 here (FSDP2 on the CPU over gloo depends on the torch version; it runs with torch 2.13) prints its
 error in its row instead of figures.
 
-Run: python bench/sharded.py [--iters 10] [--check 3] [--batch 4] [--seq 64] [--json PATH]
+Run: python bench/sharded.py [--small] [--iters 10] [--check 3] [--batch 4] [--seq 64] [--json PATH]
+(--small: 4 layers of d 256, 4 heads, about 4M parameters: a run of a few minutes on 2 cores.)
 It relaunches itself under mpiexec (once for the speed, once a variant for the memory); prints a
 markdown table with ratios against DDP and writes bench/results/sharded.json."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -38,11 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 CONFIG = dict(block_size=64, vocab_size=2048, n_layer=6, n_head=8, n_embd=512, dropout=0.0, bias=True)
+SMALL = dict(n_layer=4, n_head=4, n_embd=256)  # --small: about 4M parameters
 HP = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
 WD = 0.1
-SHARD, FSDP2, DDP = "coconetc.torch.shard + AdamW(fused)", "FSDP2 fully_shard (gloo) + AdamW(fused)", \
-    "DDP (gloo) + AdamW(fused)"
-VARIANTS = (SHARD, FSDP2, DDP)
+SHARD = "coconetc.torch.shard, units, prefetch 1 + AdamW(fused)"
+SHARD_P0 = "coconetc.torch.shard, units, prefetch 0 + AdamW(fused)"
+SHARD_KEPT = "coconetc.torch.shard, units, reshard_after_forward=False + AdamW(fused)"
+SHARD_ONE = "coconetc.torch.shard, one unit + AdamW(fused)"
+FSDP2, DDP = "FSDP2 fully_shard (gloo) + AdamW(fused)", "DDP (gloo) + AdamW(fused)"
+VARIANTS = (SHARD, SHARD_P0, SHARD_KEPT, SHARD_ONE, FSDP2, DDP)
+SHARDINGS = {SHARD: {}, SHARD_P0: {"prefetch": 0}, SHARD_KEPT: {"reshard_after_forward": False}, SHARD_ONE: {"units": []}}
 MIB = 1 << 20
 
 
@@ -64,9 +78,9 @@ def adamw(model: Any) -> Any:
 
 def wrap(name: str, model: Any, comm: Any) -> Any:
     """MODEL made the variant NAME (in place where the variant does so); the module to call."""
-    if name == SHARD:
+    if name in SHARDINGS:
         import coconetc.torch as ct
-        ct.shard(model, comm=comm)
+        ct.shard(model, comm=comm, **SHARDINGS[name])
         return model
     common.gloo(comm)
     if name == DDP:
@@ -135,6 +149,23 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak() -> bool:
+    """This process's peak resident memory (VmHWM) reset to what it holds now (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def high_water() -> int:
+    """This process's peak resident memory (VmHWM) since its last reset, in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def memory_rank(a: argparse.Namespace, comm: Any) -> dict[str, Any]:
     """In ranks of its own: variant a.memory's held bytes and peak resident growth (each rank's; the
     largest over the ranks), and its losses."""
@@ -143,12 +174,18 @@ def memory_rank(a: argparse.Namespace, comm: Any) -> dict[str, Any]:
     before = rss()
     try:
         v = Variant(a.memory, comm, batches_of(a, comm.Get_rank()))
-        losses = [v() for _ in range(a.check)]
+        losses = [v()]  # (the optimizer's state made)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        gc.collect()
+        reset = reset_peak()
+        between = rss()
+        losses += [v() for _ in range(a.check - 1)]
     except Exception as err:  # noqa: BLE001 - reported as the variant's row
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = max(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    step = high_water() - between if reset and a.check > 1 else None
     return {"held": comm.allreduce(v.held(), op=MPI.MAX), "peak": comm.allreduce(peak, op=MPI.MAX),
-            "losses": losses}
+            "step": comm.allreduce(step, op=MPI.MAX) if step is not None else None, "losses": losses}
 
 
 def speed_rank(a: argparse.Namespace, comm: Any) -> dict[str, Any]:
@@ -200,18 +237,21 @@ def table(a: argparse.Namespace, speed: dict[str, Any], memory: dict[str, dict[s
     print(f"\nnanoGPT {nparams / 1e6:.1f}M parameters ({CONFIG['n_layer']} layers, d {CONFIG['n_embd']}, vocabulary "
           f"{CONFIG['vocab_size']}), f32, {a.ranks} ranks, batch {a.batch} x {a.seq} a rank; median of {a.iters} "
           "iterations, ms of the slowest rank; memory the largest over the ranks\n")
-    print("| variant | ms an iteration | speed vs DDP | held between steps (MiB) | vs DDP | peak growth (MiB) | vs DDP |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | ms an iteration | speed vs DDP | held between steps (MiB) | vs DDP | peak growth (MiB) | vs DDP "
+          "| a step's peak above between steps (MiB) | vs DDP |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     t, ref = speed.get("seconds", {}), memory.get(DDP, {})
     for name in VARIANTS:
         m = memory.get(name, {})
         why = speed.get("errors", {}).get(name) or m.get("error")
         if why:
-            print(f"| {name} | cannot run here: {why} | | | | | |")
+            print(f"| {name} | cannot run here: {why} | | | | | | | |")
             continue
         speed_cols = (f"{t[name] * 1e3:.0f} | {t[DDP] / t[name]:.2f}" if name in t and DDP in t else "- | -")
         mem_cols = (f"{m['held'] / MIB:.0f} | {m['held'] / ref['held']:.2f} | {m['peak'] / MIB:.0f} | "
                     f"{m['peak'] / ref['peak']:.2f}" if "held" in m and "held" in ref else "- | - | - | -")
+        mem_cols += (f" | {m['step'] / MIB:.1f} | {m['step'] / ref['step']:.2f}" if m.get("step") and ref.get("step")
+                     else " | - | -")
         print(f"| {name} | {speed_cols} | {mem_cols} |")
     if speed.get("diff"):
         print("\nlosses over the first iterations, largest relative difference from DDP's: "
@@ -228,9 +268,12 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--small", action="store_true", help="4 layers of d 256 (about 4M parameters)")
     ap.add_argument("--memory", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.small:
+        CONFIG.update(SMALL)
     if common.in_mpi_job():
         return in_ranks(a)
     speed = launch(a, [])

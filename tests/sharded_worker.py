@@ -27,6 +27,16 @@ MODE program         a model holding examples/tp_mlp.ccn's weights sharded as th
                       them (w1 along dim 1, b1 and w2 along dim 0, b2 whole): the parts passed as
                       they are to the compiled tp_mlp give the unsharded model's output, and its
                       gradients of the parts
+MODE units           Stack (a root Linear on each side of a ModuleList of blocks of uneven widths):
+                      gathered a unit at a time (the default units; reshard_after_forward True and
+                      False; prefetch 0, 1, 2), and by named units (nested ones, a tied weight), 5
+                      AdamW steps against one process: losses, gradients of the parts each step,
+                      whole parameters after (1e-5); two forwards before one backward
+MODE unit_memory     Chain (a ModuleList of Linear blocks only) with reshard_after_forward=True,
+                      prefetch 0, 1, 2: at every layer's forward and backward, the bytes of whole
+                      weights alive (tensors found by the garbage collector holding a sharded
+                      weight's whole values, and the byte buffers the all-gathers fill) are at most
+                      the largest prefetch+1 units' (their alignment padding allowed)
 MODE absent          (alone in its job) rank 0 gathers a parameter the other ranks never gather:
                       the watchdog (COCONET_TIMEOUT=3) must end the job, naming the call and rank 1
 MODE errors           (after a save) bad checkpoints (missing, extra, wrong shape, wrong dtype, on
@@ -38,8 +48,10 @@ MODE errors           (after a save) bad checkpoints (missing, extra, wrong shap
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,6 +106,64 @@ class Branches(torch.nn.Module):
     def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
         h = self.a(x)
         return self.c(h) if use_c else h
+
+
+class Stack(torch.nn.Module):
+    """inp and out (the root unit's), a ModuleList of blocks of uneven widths (a unit each),
+    out's weight sharded along dim 1, a small bias kept whole (min_numel)."""
+    WIDTHS = (12, 20, 12, 20)
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        w = self.WIDTHS
+        self.inp = torch.nn.Linear(7, w[0])
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.Tanh()) for a, b in zip(w, w[1:]))
+        self.out = torch.nn.Linear(w[-1], 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+STACK_SHARDING = dict(min_numel=6, dims={"out.weight": 1})  # out.bias (5 elements) stays whole
+NAMED_UNITS = ["blocks.0", "blocks.1", "blocks.1.0"]  # nested units; blocks.2 in the root's
+
+
+class _Probe(torch.autograd.Function):
+    """The identity; its backward calls PROBE (after the backward of the layer it feeds)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, probe: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+        ctx.probe = probe
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.probe()
+        return g, None
+
+
+class Chain(torch.nn.Module):
+    """A ModuleList of Linear layers only (no root parameters): each layer a unit. PROBE is
+    called inside every layer's forward (its forward pre-hook, added after shard()'s) and in the
+    backward after each layer's backward (its input's gradient computed, its weights' used)."""
+    WIDTHS = (7, 30, 11, 24, 13, 17, 5)
+
+    def __init__(self, probe: Callable[[], None]):
+        super().__init__()
+        torch.manual_seed(0)
+        w = self.WIDTHS
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(w, w[1:]))
+        self.probe = probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(_Probe.apply(x, self.probe)))
+        return x
 
 
 def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
@@ -259,6 +329,102 @@ class Worker:
                     for n, p in m.named_parameters() if not n.startswith("idle") and p.numel()]
             return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
         self.check(f"partial:R{self.R}", run)
+
+    # --- units, resharding, prefetching -------------------------------------------------------
+    def units(self) -> None:
+        for reshard in (True, False):
+            for prefetch in (0, 1, 2):
+                self.check(f"units:R{self.R}:reshard={reshard}:prefetch={prefetch}",
+                           lambda r=reshard, p=prefetch: self._units(dict(reshard_after_forward=r, prefetch=p)))
+        self.check(f"units:R{self.R}:named", lambda: self._units(dict(units=NAMED_UNITS, prefetch=1), tied=True))
+        self.check(f"units:R{self.R}:two_forwards", self._two_forwards)
+
+    def _two_forwards(self) -> str | None:
+        """Two forwards (this rank's rows in two halves), then one backward of their sum."""
+        m, ref = Stack(0), Stack(0)
+        sh = ct.shard(m, reduce="sum", **STACK_SHARDING)  # type: ignore[arg-type]
+        x, y, lo, hi = self._batch(0)
+        mid = (lo + hi) // 2
+        (sum(((m(x[a:b]) - y[a:b]) ** 2).sum() for a, b in ((lo, mid), (mid, hi))) / B).backward()
+        (((ref(x) - y) ** 2).sum() / B).backward()
+        rp = dict(ref.named_parameters())
+        errs = [(p.grad - part(rp[n].grad, sh.dim(n), self.R, self.rank)).abs().max().item()
+                for n, p in m.named_parameters() if p.numel()]
+        return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+
+    def _units(self, how: dict, tied: bool = False) -> str | None:
+        R, rank = self.R, self.rank
+        m, ref = Stack(0), Stack(0)
+        if tied:  # blocks.0's first weight is blocks.2's too: a parameter of two units goes to the root's unit
+            for model in (m, ref):
+                model.blocks[2][0].weight = model.blocks[0][0].weight
+        sh = ct.shard(m, reduce="sum", **STACK_SHARDING, **how)  # type: ignore[arg-type]
+        want = {"": ["inp.weight", "inp.bias", "out.weight", "out.bias"]} if not tied else None
+        got = {u.name: u.names for u in sh.units.units}
+        if want is not None and (got[""] != want[""] or list(got)[1:] != [f"blocks.{i}" for i in range(3)]):
+            return f"units {got}"
+        if tied and (got["blocks.1.0"] != ["blocks.1.0.weight", "blocks.1.0.bias"] or "blocks.0.0.weight" not in got[""]
+                     or "blocks.2.0.bias" not in got[""] or got["blocks.1"] != ["blocks.1.1.weight", "blocks.1.1.bias"]):
+            return f"named units {got}"
+        opt, ropt = adamw(m), adamw(ref)
+        errs = []
+        for t in range(5):
+            mine = self._step(m, opt, t)
+            loss = self._ref_step(ref, ropt, t, step=False)
+            errs.append(abs(self.comm.allreduce(mine.item()) - loss.item()))
+            rp = dict(ref.named_parameters())
+            errs += [(p.grad - part(rp[n].grad, sh.dim(n), R, rank)).abs().max().item()
+                     for n, p in m.named_parameters() if p.numel()]
+            opt.step()
+            ropt.step()
+        whole = sh.state_dict(rank0_only=False)
+        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+        with torch.no_grad():
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(9))
+            errs.append((m(x) - ref(x)).abs().max().item())
+        return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+
+    def unit_memory(self) -> None:
+        for prefetch in (0, 1, 2):
+            self.check(f"unit_memory:R{self.R}:prefetch={prefetch}", lambda p=prefetch: self._unit_memory(p))
+        self.check(f"unit_memory:R{self.R}:kept", lambda: self._unit_memory(0, reshard=False))
+
+    def _unit_memory(self, prefetch: int, reshard: bool = True) -> str | None:
+        """The peak of whole weights' bytes within the largest prefetch+1 units' (RESHARD false:
+        above the largest unit's, the forward's weights kept for the backward: the probe sees them)."""
+        wholes = {n: p.detach().clone() for n, p in Chain(lambda: None).named_parameters()}
+        gc.collect()
+        warnings.simplefilter("ignore", FutureWarning)  # (isinstance on a deprecated torch alias warns)
+        old = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]  # (held: their ids stay theirs)
+        mine = {id(t) for t in old} | {id(w) for w in wholes.values()}
+        peak = [0]
+
+        def probe() -> None:  # the bytes of whole weights alive now, each storage once
+            alive: dict[int, int] = {}
+            for t in gc.get_objects():
+                if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter) or id(t) in mine:
+                    continue
+                st = t.untyped_storage()
+                if st.nbytes() == 0:
+                    continue
+                if t.dtype == torch.uint8 or any(t.shape == w.shape and torch.equal(t, w) for w in wholes.values()):
+                    alive[st.data_ptr()] = st.nbytes()
+            peak[0] = max(peak[0], sum(alive.values()))
+        m = Chain(probe)
+        sh = ct.shard(m, prefetch=prefetch, reshard_after_forward=reshard)
+        for layer in m.layers:
+            layer.register_forward_pre_hook(lambda mod, args: probe())
+        x, y, lo, hi = self._batch(0)
+        ((m(x[lo:hi]) - y[lo:hi]) ** 2).sum().backward()
+        sizes = sorted((sum(_whole_bytes(sh, n) for n in u.names) for u in sh.units.units), reverse=True)
+        bound = sum(sizes[:prefetch + 1])
+        if self.rank == 0 and os.environ.get("SHARDED_SHOW_PEAK"):
+            print(f"peak {peak[0]} bound {bound} reshard={reshard} prefetch={prefetch}", flush=True)
+        if not reshard:
+            return None if peak[0] > bound else f"kept: peak {peak[0]} bytes, not above the largest unit's {bound}"
+        if not 0 < peak[0] <= bound:
+            return f"peak {peak[0]} bytes of whole weights, the largest {prefetch + 1} units' {bound}"
+        return None
 
     # --- the optimizer's state in checkpoints --------------------------------------------------
     def opt_save(self, path: str) -> None:
@@ -456,6 +622,14 @@ class Errors:
                      ["no parameter 'wieght'"])
 
 
+def _whole_bytes(sh, name: str) -> int:
+    """Parameter NAME's whole bytes as the gathers hold them: each rank's part padded to 16."""
+    s = sh.specs[name]
+    if s.dim is None:
+        return 0
+    return sum(-(-s.nbytes(sh.ranks, r) // 16) * 16 for r in range(sh.ranks))
+
+
 def absent(comm) -> None:
     os.environ["COCONET_TIMEOUT"] = "3"  # (the rank pool restores the environment after the job)
     sh = ct.shard(make_model(2), **MODEL_SHARDING)  # type: ignore[arg-type]
@@ -471,31 +645,21 @@ SELF = ""  # a checkpoint this job saved (errors: loaded by every rank but one)
 def run(argv: list[str], comm) -> int:
     global SELF
     w = Worker(comm)
+    plain: dict[str, Callable[[], None]] = {
+        "roundtrip": w.roundtrip, "train": w.train, "program": w.program, "partial": w.partial,
+        "units": w.units, "unit_memory": w.unit_memory, "absent": lambda: absent(comm), "errors": w.errors}
     for mode in argv:
         name, _, rest = mode.partition(":")
-        if name == "roundtrip":
-            w.roundtrip()
-        elif name == "train":
-            w.train()
+        if name in plain:
+            plain[name]()
         elif name == "save":
             SELF = rest
             w.save(rest)
-        elif name == "load":
-            path, _, saved_on = rest.rpartition(":")
-            w.load(path, saved_on)
         elif name == "opt_save":
             w.opt_save(rest)
-        elif name == "opt_load":
+        elif name in ("load", "opt_load"):
             path, _, saved_on = rest.rpartition(":")
-            w.opt_load(path, saved_on)
-        elif name == "program":
-            w.program()
-        elif name == "partial":
-            w.partial()
-        elif name == "absent":
-            absent(comm)
-        elif name == "errors":
-            w.errors()
+            (w.load if name == "load" else w.opt_load)(path, saved_on)
         else:
             raise SystemExit(f"unknown mode {mode}")
     return 1 if w.failed else 0

@@ -59,6 +59,11 @@ def labels(R: int, modes: list[str]) -> list[str]:
             out.append(f"program:R{R}:tp_mlp")
         elif name == "partial":
             out.append(f"partial:R{R}")
+        elif name == "units":
+            out += [f"units:R{R}:reshard={r}:prefetch={p}" for r in (True, False) for p in (0, 1, 2)]
+            out += [f"units:R{R}:named", f"units:R{R}:two_forwards"]
+        elif name == "unit_memory":
+            out += [f"unit_memory:R{R}:prefetch={p}" for p in (0, 1, 2)] + [f"unit_memory:R{R}:kept"]
         else:
             out += [f"errors:R{R}:{e}" for e in ERRORS_EVERY_R + (ERRORS_SEVERAL_R if R > 1 else [])]
     return out
@@ -86,6 +91,15 @@ def test_sharded_parameters_on_R_ranks(built, capfd, tmp_path, R):
     process; gradients of layers used on some ranks or none; shards passed to a compiled program;
     every bad input (after a save, which the errors load)."""
     _job(capfd, R, "roundtrip", "train", "partial", "program", f"save:{tmp_path / 'ckpt.pt'}", "errors")
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_units_gather_one_at_a_time_and_train_like_one_process(capfd, R):
+    """Units (the default split, named nested ones, a weight tied across units), both reshard
+    settings and prefetch 0 to 2: gradients and 5 AdamW steps against one process; with
+    reshard_after_forward=True the whole weights alive at any layer's forward or backward are at
+    most the largest prefetch+1 units'."""
+    _job(capfd, R, "units", "unit_memory")
 
 
 def test_checkpoints_across_rank_counts(capfd, tmp_path):
@@ -192,6 +206,9 @@ def test_frozen_and_unused_parameters_get_no_gradient_as_in_one_process():
     (dict(reduce="mean"), ValueError, "'avg' (as DDP and FSDP) or 'sum'"),
     (dict(dims={"0.weight": 2}), ValueError, "'0.weight' is shaped (3, 2): it has no dim 2"),
     (dict(params=["1.weight"]), ValueError, "no parameter '1.weight'"),
+    (dict(units=["1"]), ValueError, "units: the module has no submodule '1'"),
+    (dict(units="0"), TypeError, "units must be a list of submodule names"),
+    (dict(prefetch=-1), ValueError, "prefetch must be an int >= 0"),
 ])
 def test_shard_argument_errors(kwargs, error, needle):
     with pytest.raises(error) as err:

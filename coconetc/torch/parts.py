@@ -169,13 +169,15 @@ class Parts:
                 raise RuntimeError(f"{label}: rank {r} holds other {words} than rank 0 ({diff}); every rank "
                                    f"must shard the same model alike and call this together")
 
-    def _wait(self, req: Any, what: str) -> None:
+    def _wait(self, req: Any, what: str, comm: Any = None) -> None:
+        """REQ (a request on COMM, default the handle's communicator) waited for under the watchdog."""
         from coconetc.runtime import agree
         from coconetc.runtime.watchdog import Watchdog
-        calls = agree.channel(self.comm) if self.ranks > 1 else None
+        comm = self.comm if comm is None else comm
+        calls = agree.channel(comm) if self.ranks > 1 else None
         if calls is not None:
             calls.n += 1
-        Watchdog(self.comm, f"coconetc.torch.Sharded.{what}", agree.timeout_s(), None,
+        Watchdog(comm, f"coconetc.torch.Sharded.{what}", agree.timeout_s(), None,
                  calls.n if calls else 0).wait(req)
 
     # --- the collectives -----------------------------------------------------------------------
@@ -209,71 +211,6 @@ class Parts:
                 parts.append(recv[where[r]:where[r] + n].view(s.dtype).view(s.part(self.ranks, r)))
                 where[r] += _padded(n)
             out.append(torch.cat(parts, dim=s.dim))
-        return out
-
-    def _reduced(self, grads: tuple[torch.Tensor | None, ...], wanted: tuple[bool, ...]) -> list[torch.Tensor | None]:
-        """The whole gradients reduced across the ranks (summed, or averaged): each sharded one
-        reduce-scattered to this rank's part, each whole one all-reduced; in float32 (float64 for
-        float64 parameters), one collective of each kind per such dtype. A parameter that needs
-        no gradient (WANTED false: frozen), or that has none on any rank (unused), gets None, as
-        in one process; one that has a gradient on some ranks only counts as zero on the others."""
-        specs = list(self.specs.values())
-        used = self._used(grads, wanted)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, s in enumerate(specs):
-            if used[i]:
-                by_dtype.setdefault(_REDUCE_DTYPES.get(s.dtype, torch.float32), []).append(i)
-        out: dict[int, torch.Tensor] = {}
-        for rdt, idx in by_dtype.items():
-            given = {i: grads[i] for i in idx}
-            whole = {i: torch.zeros(specs[i].shape, dtype=rdt) if g is None else g.to(rdt) for i, g in given.items()}
-            out.update(self._reduce_scatter({i: g for i, g in whole.items() if specs[i].dim is not None}, rdt))
-            out.update(self._all_reduce({i: g for i, g in whole.items() if specs[i].dim is None}))
-        scale = 1 / self.ranks if self.reduce == "avg" else 1
-        return [(out[i] * scale if scale != 1 else out[i]).to(s.dtype) if i in out else None
-                for i, s in enumerate(specs)]
-
-    def _used(self, grads: tuple[torch.Tensor | None, ...], wanted: tuple[bool, ...]) -> list[bool]:
-        """For each parameter: wanted and given a gradient on some rank (a small all-reduce)."""
-        from mpi4py import MPI
-        mine = np.array([w and g is not None for g, w in zip(grads, wanted)], dtype=np.uint8)
-        if self.ranks > 1 and len(mine):
-            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, mine, MPI.MAX), "all-reduce of which gradients exist")
-        return [bool(x) for x in mine]
-
-    def _reduce_scatter(self, grads: dict[int, torch.Tensor], rdt: torch.dtype) -> dict[int, torch.Tensor]:
-        """Parameter i's whole gradient summed over the ranks, this rank's part of it, for each i."""
-        from mpi4py import MPI
-        if not grads:
-            return {}
-        specs = list(self.specs.values())
-        blocks = [g[part_index(specs[i].shape, specs[i].dim, self.ranks, r)].reshape(-1)
-                  for r in range(self.ranks) for i, g in grads.items()]
-        send = torch.cat(blocks)
-        counts = [sum(int(np.prod(specs[i].part(self.ranks, r))) for i in grads) for r in range(self.ranks)]
-        recv = torch.empty(counts[self.rank], dtype=rdt)
-        self._wait(self.comm.Ireduce_scatter(send.numpy(), recv.numpy(), counts, MPI.SUM),
-                   "reduce-scatter of the gradients")
-        out, at = {}, 0
-        for i in grads:
-            shape = specs[i].part(self.ranks, self.rank)
-            n = int(np.prod(shape))
-            out[i] = recv[at:at + n].view(shape)
-            at += n
-        return out
-
-    def _all_reduce(self, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Parameter i's whole gradient summed over the ranks, for each i."""
-        from mpi4py import MPI
-        if not grads:
-            return {}
-        flat = torch.cat([g.reshape(-1) for g in grads.values()])
-        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), MPI.SUM),
-                   "all-reduce of the whole parameters' gradients")
-        out, at = {}, 0
-        for i, g in grads.items():
-            out[i] = flat[at:at + g.numel()].view(g.shape)
-            at += g.numel()
         return out
 
     def _gathered_one(self, s: Spec, part: torch.Tensor, root: int | None) -> torch.Tensor | None:

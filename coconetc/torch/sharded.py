@@ -6,6 +6,7 @@ part a `.ccn` program's `sliced(d)` parameter takes, so a shard is passed to a p
     sharded = coconetc.torch.shard(model, min_numel=1024)   # in place; every rank together
     opt = torch.optim.AdamW(model.parameters())             # it steps this rank's shards
     loss_fn(model(x), y).backward(); opt.step()             # forward gathers, backward reduce-scatters
+                                                            # (a unit at a time: units.py)
     sharded.save("ckpt.pt")                                 # whole tensors, any rank count loads it
 
 Each `Sharded` call that communicates (shard, a forward, full, gathered, state_dict,
@@ -29,22 +30,7 @@ import torch
 
 from coconetc.torch import optim_state
 from coconetc.torch.parts import Parts, Spec, part_index
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: the whole tensors of every parameter (the sharded ones all-gathered, the whole
-    ones as they are). Backward: the sharded ones' gradients reduce-scattered to their shards,
-    the whole ones' all-reduced; one call for all parameters, in the same place on every rank."""
-
-    @staticmethod
-    def forward(ctx: Any, sharded: Sharded, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.sharded = sharded
-        ctx.set_materialize_grads(False)  # (an unused parameter's gradient comes as None, not zeros)
-        return tuple(sharded._whole(tensors))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None, *ctx.sharded._reduced(grads, ctx.needs_input_grad[1:]))
+from coconetc.torch.units import Unit, Units
 
 
 class Sharded(Parts):
@@ -53,7 +39,8 @@ class Sharded(Parts):
 
     def __init__(self, module: torch.nn.Module, *, comm: Any = None, dim: int = 0,
                  dims: dict[str, int] | None = None, params: list[str] | None = None,
-                 min_numel: int = 0, reduce: str = "avg"):
+                 min_numel: int = 0, reduce: str = "avg", units: list[str] | None = None,
+                 reshard_after_forward: bool = True, prefetch: int = 1):
         from mpi4py import MPI
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -65,12 +52,26 @@ class Sharded(Parts):
         if isinstance(getattr(module, "_coconet_sharded", None), Sharded):
             raise ValueError("coconetc.torch.shard: the module is sharded already (its Sharded handle: "
                              "module._coconet_sharded)")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"coconetc.torch.shard: prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
+        if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
+            raise TypeError(f"coconetc.torch.shard: units must be a list of submodule names, got {units!r}")
         super().__init__(comm, reduce)
         self.module = module
         self._owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         self._keys: dict[str, str] = {}  # state_dict key -> parameter name (tied ones: several keys)
-        self.specs = self._agree("shard()", lambda: self._specs(dim, dims, params, min_numel), check=False,
-                                 describe=lambda specs: [s.key() for s in specs.values()])
+        plan: dict[str, list[str]] = {}
+
+        def local() -> dict[str, Spec]:
+            specs = self._specs(dim, dims, params, min_numel)
+            plan.update(self._plan(units))
+            return specs
+        self.specs = self._agree("shard()", local, check=False,
+                                 describe=lambda specs: [s.key() for s in specs.values()] +
+                                 [("unit", u, *ns) for u, ns in plan.items()])
+        mods = dict(module.named_modules())
+        self.units = Units(self, [Unit(u, mods[u], ns, comm.Dup()) for u, ns in plan.items()],
+                           bool(reshard_after_forward), prefetch)
         with torch.no_grad():
             for s in self.specs.values():
                 p = self._params[s.name]
@@ -79,6 +80,10 @@ class Sharded(Parts):
         object.__setattr__(module, "_coconet_sharded", self)
         self._hooks = [module.register_forward_pre_hook(self._before_forward),
                        module.register_forward_hook(self._after_forward, always_call=True)]
+        for u in self.units.units[1:]:
+            self._hooks += [u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_unit(u)),
+                            u.module.register_forward_hook(lambda m, a, o, u=u: self._after_unit(u, o),
+                                                           always_call=True)]
 
     # --- what is sharded ------------------------------------------------------------------------
     def _specs(self, dim: int, dims: dict[str, int] | None, params: list[str] | None,
@@ -118,24 +123,66 @@ class Sharded(Parts):
             dim %= p.dim()
         return Spec(name, tuple(p.shape), dim, p.dtype)
 
+    def _plan(self, units: list[str] | None) -> dict[str, list[str]]:
+        """Unit name ("" the root) -> the names of the parameters it gathers: each parameter
+        goes to the deepest unit holding every module that owns it (the root where none does).
+        UNITS None: each child of the first nn.ModuleList (in named_modules() order)."""
+        mods = dict(self.module.named_modules())
+        if units is None:
+            first = next((n for n, m in mods.items() if isinstance(m, torch.nn.ModuleList) and n), None)
+            units = [f"{first}.{c}" for c, _ in mods[first].named_children()] if first is not None else []
+        for u in units:
+            if u not in mods or u == "":
+                raise ValueError(f"coconetc.torch.shard: units: the module has no submodule {u!r}")
+            if isinstance(mods[u], (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                raise ValueError(f"coconetc.torch.shard: units: {u!r} is a {type(mods[u]).__name__}, whose "
+                                 f"forward never runs (its hooks would not gather): name its children")
+        if len(set(units)) != len(units):
+            raise ValueError(f"coconetc.torch.shard: units: a submodule named twice in {units!r}")
+        owner_names = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+
+        def unit_of(mod: torch.nn.Module) -> str:
+            n = owner_names[id(mod)]
+            within = [u for u in units if n == u or n.startswith(u + ".")]
+            return max(within, key=len) if within else ""
+        plan: dict[str, list[str]] = {"": [], **{u: [] for u in units}}
+        for name, owners in self._owners.items():
+            homes = {unit_of(owner) for owner, _ in owners}
+            plan[homes.pop() if len(homes) == 1 else ""].append(name)
+        return plan
+
     # --- forward and backward ------------------------------------------------------------------
+    def _agree(self, *args: Any, **kwargs: Any) -> Any:
+        if hasattr(self, "units"):
+            self.units.flush()  # (the last backward's reductions, if a caller bypassed its end)
+        return super()._agree(*args, **kwargs)
+
+    def _put(self, u: Unit, tensors: list[torch.Tensor] | None) -> None:
+        """U's parameters on their owning modules: TENSORS (whole, for its forward) or the parts."""
+        for i, name in enumerate(u.names):
+            for owner, attr in self._owners[name]:
+                owner._parameters[attr] = self._params[name] if tensors is None else tensors[i]  # type: ignore[assignment]
+
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._gathering:  # inside gathered(): the whole tensors are already there
             return
-        tensors = [self._params[n] for n in self.specs]
         self._agree("forward", lambda: None)
-        wholes = _Gather.apply(self, *tensors)
-        for name, w in zip(self.specs, wholes):
-            for owner, attr in self._owners[name]:
-                owner._parameters[attr] = w  # (a plain tensor for this forward; put back after it)
+        self._before_unit(self.units.root)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._gathering:
             return
-        for name, p in self._params.items():
-            for owner, attr in self._owners[name]:
-                owner._parameters[attr] = p
+        self._after_unit(self.units.root, output)
         return None
+
+    def _before_unit(self, u: Unit) -> None:
+        if not self._gathering:
+            self._put(u, self.units.before(u))
+
+    def _after_unit(self, u: Unit, output: Any) -> None:
+        if not self._gathering:
+            self._put(u, None)
+            self.units.after(u, output)
 
     # --- whole tensors on demand ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -319,12 +366,22 @@ def _write(whole: dict[str, Any], path: Path) -> None:
 
 
 def shard(module: torch.nn.Module, *, comm: Any = None, dim: int = 0, dims: dict[str, int] | None = None,
-          params: list[str] | None = None, min_numel: int = 0, reduce: str = "avg") -> Sharded:
+          params: list[str] | None = None, min_numel: int = 0, reduce: str = "avg",
+          units: list[str] | None = None, reshard_after_forward: bool = True, prefetch: int = 1) -> Sharded:
     """Keeps MODULE's parameters sharded over the ranks of COMM (mpi4py, default COMM_WORLD), in
     place: each parameter named in PARAMS (default all) with at least MIN_NUMEL elements becomes
     this rank's part of dim DIMS.get(name, DIM); the others stay whole on every rank. Every rank
     calls it with the same module (the same shapes and the same values: each keeps its part of
     its own values). Returns the module's `Sharded` handle. From then on a forward of MODULE
     gathers the whole parameters and its backward reduce-scatters their gradients to the parts
-    (REDUCE "avg", as DDP and FSDP, or "sum"), the whole parameters' gradients all-reduced."""
-    return Sharded(module, comm=comm, dim=dim, dims=dims, params=params, min_numel=min_numel, reduce=reduce)
+    (REDUCE "avg", as DDP and FSDP, or "sum"), the whole parameters' gradients all-reduced.
+
+    The parameters are gathered a unit at a time (units.py): UNITS names submodules (default
+    each child of the first nn.ModuleList, as nanoGPT's blocks; [] the whole module as one),
+    the root's remaining parameters one more unit. A unit's whole tensors exist while it runs;
+    RESHARD_AFTER_FORWARD=False keeps them from its forward to the end of its backward instead
+    of gathering again. PREFETCH: how many units ahead the forward (and the backward, behind)
+    starts gathering. A unit's gradients' reduce-scatter starts as its backward ends and is
+    waited for at the end of the backward."""
+    return Sharded(module, comm=comm, dim=dim, dims=dims, params=params, min_numel=min_numel, reduce=reduce,
+                   units=units, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
