@@ -6,23 +6,24 @@ directory outside the checkout, with the `coconetc` of this Python first on PATH
 
 - ```sh: run by `bash -e` (a failing command fails the block);
 - ```python (or ```python NAME, saved as NAME for the blocks after it): written to a file and
-  run by this Python (one process: a job of one rank), but for a script a later block runs with
-  its arguments (SAVED); on a page of ONE_PROCESS, its unnamed python blocks run one after
-  another in one process, each with its own globals; A fragment that uses names the page leaves
-  to the reader (`g`, `model`) runs after the few lines of PRELUDE that make them, in the same
-  file; the block's own lines run unchanged;
+  run by this Python (one process: a job of one rank). A fragment that uses names the page leaves to the reader (`g`,
+  `model`) runs after the few lines of PRELUDE that make them, in the same file; the block's own
+  lines run unchanged. On a page of ONE_PROCESS the unnamed python blocks run one after another
+  in one process (torch imported once), each with its own globals;
 - ```ccn NAME: a whole .ccn file, written to NAME and checked (`coconetc check NAME`);
 - ```text: not run. Every such block is listed in EXEMPT below (by its first line), with why; any
-  other is an error.
+  other is an error. An excerpt of a file is compared with the file (EXCERPTS), a printout with
+  the command's output (OUTPUTS).
 
 The pages of docs/ name the checkout's files (`examples/adam.ccn`): they run in a directory
 that holds a copy of examples/. Each tutorial page runs in a directory of its own, given the
 files it reads from earlier pages (EARLIER: page 4 runs the adam.ccn of page 1), so that the
-pages run side by side. Builds go to the pytest cache that the other tests share
-(COCONET_CACHE): page 1 writes examples/adam.ccn byte for byte, so the modules other tests build
-from it (CPU, and CUDA under the host emulation) are reused, and the README's sgd.ccn is the one
-page 3 writes; the other pages call the example files at the sizes and rank counts (2 at most)
-other tests use."""
+pages run side by side; a long page runs in parts (PARTS), each in a directory of its own; a
+page another test runs block by block (RUN_BY) is not run here.
+Builds go to the pytest cache that the other tests share (COCONET_CACHE): page 1 writes
+examples/adam.ccn byte for byte, so the modules other tests build from it (CPU, and CUDA under
+the host emulation) are reused, and the README's sgd.ccn is the one page 3 writes; the other
+pages run the example files themselves, on 2 ranks at most."""
 
 from __future__ import annotations
 
@@ -254,16 +255,20 @@ PRELUDE = {
     ("pytorch.md", "compiled = torch.compile(model, fullgraph=True)"): OPT,
 }
 
-# The ```python NAME blocks that are scripts a later block runs (with the arguments they need):
-# saved, not run by themselves.
-SAVED = {("sharded_torch.md", "train_sharded.py"), ("sharded_torch.md", "resume_sharded.py")}
+# The pages another test runs as written, block by block, on the rank pool (their blocks are still
+# checked here: every one run or exempt).
+RUN_BY = {"sharded_torch.md": "tests/test_sharded_torch.py::test_the_page_runs_as_written"}
 
 # The pages whose unnamed ```python blocks, independent of each other, run one after another in
 # one process (each with its own globals): each would otherwise import torch and MPI again.
 ONE_PROCESS = {"pytorch.md", "usage.md", "autodiff.md"}
 
+# The pages run in parts (the index of each part's first block), each part in a directory of its
+# own, so that a cold cache's builds for one page are shared by both test workers.
+PARTS = {"usage.md": [0, 2], "autodiff.md": [0, 1], "pytorch.md": [0, 6, 17], "sharded.md": [0, 9]}
+
 # The pages whose test takes over ~10 s with the builds cached (the tutorial's are all slow).
-SLOW = {"autodiff.md", "pytorch.md", "sharded.md", "sharded_torch.md", "usage.md"}
+SLOW = {"pytorch.md", "sharded.md", "usage.md"}
 
 
 def _first(text: str) -> str:
@@ -308,8 +313,6 @@ def _run_block(page: Path, i: int, kind: str, arg: str, text: str, cwd: Path, en
         cmd = ["bash", "-e", "-c", text]
     elif kind == "python":
         script = _script(page, i, arg, text, cwd)
-        if (name, arg) in SAVED:
-            return
         cmd = [sys.executable, script.name]
     elif kind == "ccn":
         assert arg, f"{name}, block {i}: a ```ccn block names its file (```ccn sgd.ccn)"
@@ -332,11 +335,14 @@ def _run_in_one_process(page: Path, found: list[tuple[int, str]], cwd: Path, env
                 *scripts], cwd, env)
 
 
-def _run_pages(pages: list[Path], cwd: Path, env: dict[str, str]) -> None:
+def _run_pages(pages: list[Path], cwd: Path, env: dict[str, str], part: tuple[int, int] = (0, 1 << 30)) -> None:
+    """The pages' blocks in order (those of `part`, a range of block indices, alone)."""
     assert cwd.resolve() != REPO and REPO not in cwd.resolve().parents
     for page in pages:
         pending: list[tuple[int, str]] = []  # ONE_PROCESS pages: the python blocks not yet run
         for i, (kind, arg, text) in enumerate(blocks(page)):
+            if not part[0] <= i < part[1]:
+                continue
             if _name(page) in ONE_PROCESS and kind == "python" and not arg:
                 pending.append((i, text))
                 continue
@@ -376,23 +382,26 @@ def _runs(page: Path) -> bool:
 def _params() -> list:
     out = []
     for page in PAGES:
-        if _runs(page):
+        if _runs(page) and _name(page) not in RUN_BY:
             slow = page in TUTORIAL or _name(page) in SLOW
-            out.append(pytest.param(page, id=_name(page), marks=[pytest.mark.slow] if slow else []))
+            starts = PARTS.get(_name(page), [0])
+            for k, (lo, hi) in enumerate(zip(starts, [*starts[1:], 1 << 30])):
+                out.append(pytest.param(page, (lo, hi), id=_name(page) + (f"[{k + 1}]" if len(starts) > 1 else ""),
+                                        marks=[pytest.mark.slow] if slow else []))
     return out
 
 
-@pytest.mark.parametrize("page", _params())
-def test_page_runs_as_written(page: Path, tmp_path: Path, doc_env: dict[str, str]) -> None:
-    """Each page in a directory of its own (so that the pages run side by side on the test
-    workers): a page of docs/ with a copy of examples/, a tutorial page with what it reads from
-    earlier pages (EARLIER)."""
+@pytest.mark.parametrize("page, part", _params())
+def test_page_runs_as_written(page: Path, part: tuple[int, int], tmp_path: Path, doc_env: dict[str, str]) -> None:
+    """Each page (or part of a page, PARTS) in a directory of its own, so that the pages run side
+    by side on the test workers: a page of docs/ with a copy of examples/, a tutorial page with
+    what it reads from earlier pages (EARLIER)."""
     name = _name(page)
     if page.parent == DOCS:
         shutil.copytree(REPO / "examples", tmp_path / "examples")
     for file, src in EARLIER.get(name, {}).items():
         (tmp_path / file).write_bytes(src.read_bytes())
-    _run_pages([page], tmp_path, doc_env)
+    _run_pages([page], tmp_path, doc_env, part)
     if name in AFTER:
         AFTER[name](tmp_path)
 
@@ -416,6 +425,9 @@ def test_every_block_is_run_or_listed_exempt(page: Path) -> None:
 def test_every_exempt_block_is_on_its_page() -> None:
     on_pages = {(_name(page), _first(text)) for page in PAGES for kind, _, text in blocks(page) if kind == "text"}
     assert set(EXEMPT) <= on_pages, set(EXEMPT) - on_pages
+    for test in RUN_BY.values():
+        file, name = test.split("::")
+        assert f"def {name}(" in (REPO / file).read_text(), test
     assert len(_text_blocks(EXCERPTS)) == len(EXCERPTS) and len(_text_blocks(OUTPUTS)) == len(OUTPUTS)
     assert set(PRELUDE) <= {(_name(page), _first(text)) for page in PAGES
                             for kind, _, text in blocks(page) if kind == "python"}
