@@ -98,8 +98,8 @@ EXEMPT = {
     ("cuda.md", " #  line unit                                            read     written      flops      bound limit"):
         "program output (on a GPU)",
     ("cuda_emulation.md", "coconetc run examples/adam.ccn --backend cuda --emulate --ranks 3 --schedule all"):
-        "3 and 4 ranks: tests/test_cuda_emulate.py and tests/test_pipeline.py run these under the emulation "
-        "(cuda.md runs adam's on 2)",
+        "3 and 4 ranks: tests/test_cuda_emulate.py runs every example (adam.ccn, pipeline.ccn in 2 groups) "
+        "under the emulation on 3 and 4 ranks against the interpreter (cuda.md runs adam's on 2)",
     ("cuda_emulation.md", "coconet emulate: race on buffer 'w' (bytes [20, 28) of 40): ncclBroadcast on the comm "
                           "stream"): "program output (an error message)",
     ("cuda_symmetric.md", "# one GPU: the kernel, the window and the device communicator with R = 1 (peer = itself)"):
@@ -153,7 +153,7 @@ EXEMPT = {
     ("sharded.md", "    w2g = allgather(w2)"): "program output (an excerpt of `show --grad` above; OUTPUTS)",
     ("sharded.md", "schedule overlapped for grad(sharded_mlp) {"): "an excerpt of examples/sharded_mlp.ccn (EXCERPTS)",
     ("train_gpt.md", "python examples/train_gpt.py --mode tp --ranks 2           # tensor parallelism on 2 ranks"):
-        "tests/test_train_gpt.py runs every mode (4 ranks, at tiny sizes)",
+        "tests/test_train_gpt.py runs each mode (tp, sp on 2 ranks; tp_dp, pp_tp on 4) at tiny sizes",
     ("train_gpt.md", "== sp: gpt_block_sp on 4 ranks, sequence parallel over 4 ranks; schedule overlapped, grad "
                      "schedule default; 9248 of 27968 parameters on each rank"): "program output",
     ("train_gpt.md", "coconetc launch -n 2 python /path/to/coconet/examples/train_sharded.py --save ckpt.pt"):
@@ -162,8 +162,8 @@ EXEMPT = {
                      "sharded over 2 ranks (coconetc.torch.shard, min_numel 0); 13984 of 27968 parameters on each "
                      "rank"): "program output",
     ("usage.md", "coconetc explain examples/adam.ccn --ranks 2 --size N=4194304   # bytes moved/sent, passes, launches"):
-        "the tuner at this size takes minutes; tests/test_tune.py runs explain, tune, show -s auto and "
-        "run -s auto on adam.ccn (N=1000)",
+        "the tuner at this size takes minutes; tests/test_tune.py runs explain, and tune, show -s auto and "
+        "run -s auto on adam.ccn at N=1000",
     ("usage.md", "coconetc launch -n 2 examples/train_mlp.py --schedule zero    # python SCRIPT on 2 MPI ranks"):
         "tests/test_torch_optimizer.py::test_train_mlp_example_runs_and_resumes_on_other_ranks runs it",
     ("usage.md", "coconetc launch -n 2 examples/train_tp.py     # Megatron-style MLP blocks, against one process"):
