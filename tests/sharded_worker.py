@@ -282,21 +282,27 @@ class Worker:
             ropt.step()
         return loss
 
-    def _train(self, reduce: str) -> str | None:
-        R, rank = self.R, self.rank
-        m, ref = make_model(0), make_model(0)
-        sh = ct.shard(m, reduce=reduce, **MODEL_SHARDING)  # type: ignore[arg-type]
-        opt, ropt = adamw(m), adamw(ref)
+    def _steps_against(self, m, opt, ref, ropt, sh, steps: int, *scale: int) -> list[float]:
+        """STEPS training steps of the sharded M and of REF in one process: each step's loss
+        difference and every part's gradient difference (the optimizers step after)."""
         errs = []
-        for t in range(3):
-            mine = self._step(m, opt, t, R if reduce == "avg" else 1)
+        for t in range(steps):
+            mine = self._step(m, opt, t, *scale)
             loss = self._ref_step(ref, ropt, t, step=False)
             errs.append(abs(self.comm.allreduce(mine.item()) - loss.item()))
             rp = dict(ref.named_parameters())
-            errs += [(p.grad - part(rp[n].grad, sh.dim(n), R, rank)).abs().max().item()
+            errs += [(p.grad - part(rp[n].grad, sh.dim(n), self.R, self.rank)).abs().max().item()
                      for n, p in m.named_parameters() if p.numel()]
             opt.step()
             ropt.step()
+        return errs
+
+    def _train(self, reduce: str) -> str | None:
+        R = self.R
+        m, ref = make_model(0), make_model(0)
+        sh = ct.shard(m, reduce=reduce, **MODEL_SHARDING)  # type: ignore[arg-type]
+        opt, ropt = adamw(m), adamw(ref)
+        errs = self._steps_against(m, opt, ref, ropt, sh, 3, R if reduce == "avg" else 1)
         shapes = [tuple(opt.state[p]["exp_avg"].shape) == tuple(p.shape) for p in m.parameters()]
         whole = sh.state_dict(rank0_only=False)
         errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
@@ -353,7 +359,6 @@ class Worker:
         return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
 
     def _units(self, how: dict, tied: bool = False) -> str | None:
-        R, rank = self.R, self.rank
         m, ref = Stack(0), Stack(0)
         if tied:  # blocks.0's first weight is blocks.2's too: a parameter of two units goes to the root's unit
             for model in (m, ref):
@@ -367,16 +372,7 @@ class Worker:
                      or "blocks.2.0.bias" not in got[""] or got["blocks.1"] != ["blocks.1.1.weight", "blocks.1.1.bias"]):
             return f"named units {got}"
         opt, ropt = adamw(m), adamw(ref)
-        errs = []
-        for t in range(5):
-            mine = self._step(m, opt, t)
-            loss = self._ref_step(ref, ropt, t, step=False)
-            errs.append(abs(self.comm.allreduce(mine.item()) - loss.item()))
-            rp = dict(ref.named_parameters())
-            errs += [(p.grad - part(rp[n].grad, sh.dim(n), R, rank)).abs().max().item()
-                     for n, p in m.named_parameters() if p.numel()]
-            opt.step()
-            ropt.step()
+        errs = self._steps_against(m, opt, ref, ropt, sh, 5)
         whole = sh.state_dict(rank0_only=False)
         errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
         with torch.no_grad():
