@@ -5,6 +5,8 @@ Python reference and a C++ library linked with -I/-L/-l; the located errors of b
 
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 import textwrap
@@ -364,8 +366,11 @@ def test_the_extern_example_runs_every_schedule_compiled():
 
 
 def _doc_block(title: str) -> str:
+    """The first fenced block under the section TITLE of docs/language.md (```text or not)."""
     text = (REPO / "docs" / "language.md").read_text().split(f"## {title}\n", 1)[1]
-    return text.split("```\n", 2)[1]
+    m = re.search(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+    assert m, title
+    return m.group(1)
 
 
 def test_the_examples_of_docs_language_md_check():
