@@ -24,13 +24,13 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy coconetc
 
 test: lint
-	$(PY) -m pytest -n 2 --dist worksteal --durations=30 tests
+	$(PY) -m pytest -n 2 --durations=30 tests
 
 # while working: everything but the cases marked slow (installs, CMake and nvcc builds, random
 # programs, the C++ runtime's own test program, and compiled end-to-end checks whose feature a
 # quick case already compiles)
 test-quick: lint
-	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" tests
+	$(PY) -m pytest -n 2 -m "not slow" tests
 
 # every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2; pipeline parallelism on 4:
 # P = 2 and 4 stages; the Adam step once more on 4
