@@ -300,7 +300,8 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
         # precompiled header found first on the path whatever the copy's headers say), and not
         # where a define changes what they declare
         pch = [f"-I{emulated_header(key_parts, log)}"] if runtime == runtime_dir() and not defines else []
-        cmd = [*_emulated_flags(runtime)[:1], *pch, *_emulated_flags(runtime)[1:], *flags, "-shared", "-x", "c++",
+        compiler, *options = _emulated_flags(runtime)  # the header's folder first on the include path
+        cmd = [compiler, *pch, *options, *flags, "-shared", "-x", "c++",
                str(src / "module.cu"), "-x", "none", str(bound),
                f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                "-o", str(build / f"{name}.so")]
