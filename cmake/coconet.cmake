@@ -159,6 +159,12 @@ function(coconet_add_module name file)
     DEPENDS "${ccn}" ${COCONET_GENERATOR_FILES}
     COMMENT "coconetc: generating ${name} from ${file}"
     VERBATIM)
+  # pybind11_add_module links with -flto unless CMAKE_INTERPROCEDURAL_OPTIMIZATION is defined;
+  # a module's work is in one translation unit, so link-time optimization gains nothing and makes
+  # the link recompile everything (this function's scope only: the caller's own targets keep theirs)
+  if(NOT DEFINED CMAKE_INTERPROCEDURAL_OPTIMIZATION)
+    set(CMAKE_INTERPROCEDURAL_OPTIMIZATION OFF)
+  endif()
   # the generated functions and their table, and the compiled runtime every module shares (the
   # Python binding, the runtime's instantiations)
   pybind11_add_module(${name} "${out}/module.cpp" "${COCONET_RUNTIME}/coconet/bind.cpp"
