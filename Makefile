@@ -23,14 +23,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check coconetc tests cmake bench
 	$(VENV)/bin/mypy coconetc
 
+# each test file runs on one worker (its fixtures' builds once), the longest files first
+# (tests/durations.json, conftest.py), so that the two workers end together
+PYTEST_DIST := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: lint
-	$(PY) -m pytest -n 2 --durations=30 tests
+	$(PY) -m pytest $(PYTEST_DIST) --durations=30 tests
 
 # while working: everything but the cases marked slow (installs, CMake and nvcc builds, random
 # programs, the C++ runtime's own test program, and compiled end-to-end checks whose feature a
 # quick case already compiles)
 test-quick: lint
-	$(PY) -m pytest -n 2 -m "not slow" tests
+	$(PY) -m pytest $(PYTEST_DIST) -m "not slow" tests
 
 # every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2; pipeline parallelism on 4:
 # P = 2 and 4 stages; the Adam step once more on 4
