@@ -25,7 +25,7 @@ lint: $(STAMP)
 
 # each test file runs on one worker (its fixtures' builds once), the longest files first
 # (tests/durations.json, conftest.py), so that the two workers end together
-PYTEST_DIST := -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_DIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: lint
 	$(PY) -m pytest $(PYTEST_DIST) --durations=30 tests
