@@ -408,3 +408,36 @@ def test_cxxflags_reach_the_compile_line_and_every_key(monkeypatch: pytest.Monke
     assert commands._cpu_flags()[-1] == "-O2"
     assert compiler._compiler("cpu", toolchain.Options()) != keys[0]
     assert warm.key(tmp_path / "a.ccn", "t", "", ()) != keys[1]
+
+
+def test_an_objects_key_holds_the_runtime_files_it_includes_and_no_other(tmp_path: Path) -> None:
+    """A CPU unit's key (through coconet/module.h) and an emulated module's (through
+    coconet/cuda/runtime.cuh and the binding) hash the runtime files they include, found as the
+    compiler finds them: an edit of a CUDA header keeps every CPU unit, an edit of a header only
+    the CPU runtime includes keeps every emulated module, an edit of one both include changes
+    both, and an edit of a header nobody includes changes neither."""
+    import shutil
+
+    from coconetc.paths import runtime_dir
+    from coconetc.toolchain import commands, compiler
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    unit = commands.UNIT_HEADER + '\n#include "coconet/gemm.h"  // twice: counted once\n'
+
+    def keys() -> tuple[str, str]:
+        return probes.headers_key(unit, runtime=rt), probes.headers_key(compiler.EMULATED_INCLUDES, runtime=rt)
+
+    names = {f.relative_to(rt).as_posix() for f in probes.included(unit, runtime=rt)}
+    assert {"coconet/module.h", "coconet/gemm.h", "coconet/state.h"} <= names, names
+    assert not [n for n in names if n.startswith("coconet/cuda/")], names
+    emulated = {f.relative_to(rt).as_posix() for f in probes.included(compiler.EMULATED_INCLUDES, runtime=rt)}
+    assert {"coconet/cuda/emulate.h", "coconet/cuda/bind.cu", "coconet/gemm.h"} <= emulated, emulated
+    assert "coconet/fused_shm.h" in names and "coconet/fused_shm.h" not in emulated
+    before = keys()
+    for header, changes in [("coconet/cuda/emulate.h", (False, True)), ("coconet/fused_shm.h", (True, False)),
+                            ("coconet/gemm.h", (True, True)), ("coconet/nobody_includes.h", (False, False))]:
+        path = rt / header
+        path.write_text((path.read_text() if path.exists() else "") + "\n// edited\n")
+        after = keys()
+        assert (after[0] != before[0], after[1] != before[1]) == changes, header
+        before = after

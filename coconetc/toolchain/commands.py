@@ -32,7 +32,7 @@ from pathlib import Path
 from coconetc.codegen import cpu, cuda
 from coconetc.codegen.extern_libs import Libs
 from coconetc.paths import runtime_dir
-from coconetc.toolchain import artifacts
+from coconetc.toolchain import artifacts, probes
 from coconetc.toolchain.probes import (ENV_BUILD_JOBS, ENV_VERBOSE, BuildError, cache_dir, cuda_toolchain,
                                        toolchain)
 
@@ -92,26 +92,40 @@ def _in_parallel(jobs: Sequence[Callable[[], Path]]) -> list[Path]:
         return list(pool.map(lambda job: job(), jobs))
 
 
-def cpu_runtime(key_parts: list[str], log: Log | None) -> list[Path]:
-    """The compiled part of the CPU runtime, once per machine (its key: the compiler, the
-    runtime headers, the tools, Python and pybind11): the Python binding (coconet/bind.cpp), an
+def cpu_key() -> list[str]:
+    """What the key of every CPU object holds besides its text, its command and the runtime files
+    it includes (probes.headers_key): the options from the environment and the tools."""
+    return [f"cpu|{os.environ.get('CXXFLAGS', '')}", toolchain().key()]
+
+
+def _runtime_source(name: str) -> tuple[str, str]:
+    """A source file of the CPU runtime (coconet/NAME): its text, and the key of the runtime
+    files it includes."""
+    source = runtime_dir() / "coconet" / name
+    text = source.read_text()
+    return text, probes.headers_key(text, source.parent)
+
+
+def cpu_runtime(log: Log | None) -> list[Path]:
+    """The compiled part of the CPU runtime, once per machine (its key: the runtime files it
+    includes, the tools, Python and pybind11): the Python binding (coconet/bind.cpp), an
     object every CPU module links, and the runtime library (coconet/runtime.cpp: the process's
     state and the collectives' instantiations, coconet/state.h), libccnrt-<key>.so, which every
     module and every unit links."""
     tc = toolchain()
     cmd = [tc.mpicxx, *_cpu_flags(), *_python_includes()]
-    text = (runtime_dir() / "coconet" / "bind.cpp").read_text()
+    text, headers = _runtime_source("bind.cpp")
     binding = functools.partial(artifacts.cached_object, _objects_dir(),
-                                artifacts.content_key([*key_parts, *cmd, text, "bind.cpp"]), ".cpp", text,
+                                artifacts.content_key([*cpu_key(), headers, *cmd, text, "bind.cpp"]), ".cpp", text,
                                 _compiled(cmd, "compiling the Python binding (once per machine)", log))
-    return _in_parallel([binding, functools.partial(_runtime_library, key_parts, log)])
+    return _in_parallel([binding, functools.partial(_runtime_library, log)])
 
 
-def _runtime_library(key_parts: list[str], log: Log | None) -> Path:
+def _runtime_library(log: Log | None) -> Path:
     tc = toolchain()
     cmd = [tc.mpicxx, *_cpu_flags(), "-shared"]
-    text = (runtime_dir() / "coconet" / "runtime.cpp").read_text()
-    key = f"libccnrt-{artifacts.content_key([*key_parts, *cmd, *_blas(), text, 'runtime.cpp'])}"
+    text, headers = _runtime_source("runtime.cpp")
+    key = f"libccnrt-{artifacts.content_key([*cpu_key(), headers, *cmd, *_blas(), text, 'runtime.cpp'])}"
 
     def go(source: Path, lib: Path) -> None:
         _steps([("compiling the runtime (once per machine)",
@@ -130,7 +144,10 @@ def _runtime_link(library: Path) -> list[str]:
     return [f"-L{library.parent}", f"-l:{library.name}", f"-Wl,-rpath,{library.parent}"]
 
 
-def cpu_header(key_parts: list[str], log: Log | None) -> Path:
+UNIT_HEADER = '#include "coconet/module.h"'  # what a unit includes of the runtime (precompiled)
+
+
+def cpu_header(log: Log | None) -> Path:
     """The folder of coconet/module.h precompiled (GCC's module.h.gch) with the units' options,
     once per machine: put first on the include path, it spares every unit parsing the runtime,
     MPI and the standard library (about a third of a unit's compile). A unit compiled with other
@@ -138,7 +155,7 @@ def cpu_header(key_parts: list[str], log: Log | None) -> Path:
     tc = toolchain()
     cmd = [tc.mpicxx, *_cpu_flags(), "-DCOCONET_LINKS_RUNTIME=", "-Wno-pragma-once-outside-header"]
     header = runtime_dir() / "coconet" / "module.h"
-    folder = _objects_dir() / f"pch-{artifacts.content_key([*key_parts, *cmd])}"
+    folder = _objects_dir() / f"pch-{artifacts.content_key([*cpu_key(), probes.headers_key(UNIT_HEADER), *cmd])}"
 
     def go(_: Path, out: Path) -> None:
         _steps([("precompiling (once per machine)", [*cmd, "-c", "-x", "c++-header", str(header), "-o", str(out)])],
@@ -147,7 +164,7 @@ def cpu_header(key_parts: list[str], log: Log | None) -> Path:
     return folder
 
 
-def cpu_units(name: str, src: cpu.Sources, key_parts: list[str], libs: Libs, libs_key: str) -> artifacts.Run:
+def cpu_units(name: str, src: cpu.Sources, libs: Libs, libs_key: str) -> artifacts.Run:
     """A CPU module NAME built from its units (src.units: function name -> translation unit):
     each compiled on its own and linked into a shared object of its own, both cached by content
     (a new or changed schedule compiles and links one; a unit two modules share is built once),
@@ -156,16 +173,16 @@ def cpu_units(name: str, src: cpu.Sources, key_parts: list[str], libs: Libs, lib
     link the runtime library (cpu_runtime), so the process holds one runtime state however many
     units it maps (runtime_cpp/coconet/state.h). The units' shared objects are listed in
     UNITS_FILE of the build folder and the runtime library in LIBRARIES_FILE, for the module's
-    manifest (artifacts.py). key_parts: what
-    every object depends on besides its text (the compiler, the runtime headers, the tools);
-    libs_key: the extern libraries' (their headers, for the units)."""
+    manifest (artifacts.py). Each object's key: its text and command, the runtime files it
+    includes (probes.headers_key: an edited header rebuilds the units that include it, not every
+    unit), cpu_key(), and libs_key: the extern libraries' (their headers, for the units)."""
     def run(out: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
-        binding, library = cpu_runtime(key_parts, log)
-        cmd = [tc.mpicxx, f"-I{cpu_header(key_parts, log)}", *_cpu_flags(libs.include_dirs)]
+        binding, library = cpu_runtime(log)
+        cmd = [tc.mpicxx, f"-I{cpu_header(log)}", *_cpu_flags(libs.include_dirs)]
         link = [*_runtime_link(library), *_blas(), "-Wl,--no-undefined", *(f"-L{d}" for d in libs.library_dirs),
                 *(f"-Wl,-rpath,{d}" for d in libs.library_dirs), *_libraries(libs)]
-        jobs = [functools.partial(_unit, fn, text, [*key_parts, libs_key], cmd, link, log)
+        jobs = [functools.partial(_unit, fn, text, [*cpu_key(), libs_key, probes.headers_key(text)], cmd, link, log)
                 for fn, text in src.units.items()]
         units = dict(zip(src.units, map(str, _in_parallel(jobs))))
         build.mkdir(parents=True, exist_ok=True)

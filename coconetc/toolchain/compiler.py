@@ -24,7 +24,7 @@ from coconetc.paths import runtime_dir
 from coconetc.plan.targets import TARGETS, Target
 from coconetc.sourcefile import SourceFile
 from coconetc.toolchain import artifacts, commands
-from coconetc.toolchain.probes import (BuildError, cache_dir, compiler_hash, cuda_hash, cuda_toolchain,
+from coconetc.toolchain.probes import (BuildError, cache_dir, compiler_hash, cuda_hash, cuda_toolchain, headers_key,
                                        emulation_missing, require_cpu_extra, toolchain)
 
 PROBE = "ccn_module_name_placeholder"  # the module's name while its key is computed
@@ -126,7 +126,7 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     if not o.build:
         return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
                         None if o.out_dir is None else Path(o.out_dir), None)
-    parts, libs_key = _compiler(backend, o), _libs_key(mod, backend, libs)  # once: the emulation's reads every header
+    parts, libs_key = _compiler(backend, o), _libs_key(mod, backend, libs)  # once: the emulation's reads the runtime files it includes
     key = artifacts.content_key([*parts, *_files(backend, src).values(), libs_key])
     name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
     src = _named(src, name)
@@ -167,8 +167,8 @@ WAYS: dict[str, Way] = {
     Target.CPU: Way(
         generate=lambda mod, o, libs, name: cpu.generate(mod, name, libs),
         files=lambda src: {"module.cpp": src.cpp, "CMakeLists.txt": src.cmake},
-        key=lambda o: [compiler_hash(), f"cpu|{os.environ.get('CXXFLAGS', '')}", toolchain().key()],
-        command=lambda name, src, parts, o, libs, libs_key: commands.cpu_units(name, src, parts, libs, libs_key),
+        key=lambda o: [compiler_hash(), *commands.cpu_key()],
+        command=lambda name, src, parts, o, libs, libs_key: commands.cpu_units(name, src, libs, libs_key),
         externs="cpp", cpu_extra=True),
     Target.CUDA: Way(
         generate=lambda mod, o, libs, name: cuda.generate(mod, name, _archs(o), True, libs),
@@ -185,10 +185,13 @@ WAYS: dict[str, Way] = {
 }
 
 
+# what an emulated module and its binding include of the runtime (module.cu.j2's includes, and
+# the binding's source itself): their key holds these files and what they include, no other
+EMULATED_INCLUDES = '#include "coconet/cuda/runtime.cuh"\n#include "coconet/entries.h"\n#include "coconet/cuda/bind.cu"\n'
+
+
 def _emulated_parts(runtime: Path) -> list[str]:
-    headers = [f.read_bytes().decode() for f in sorted([*runtime.rglob("*.h"), *runtime.rglob("*.cuh"),
-                                                        *(runtime / "coconet").rglob("*.cu")])]
-    return [compiler_hash(), *headers, toolchain().key(), f"emulate|{os.environ.get('CXXFLAGS', '')}"]
+    return [headers_key(EMULATED_INCLUDES, runtime=runtime), toolchain().key(), f"emulate|{os.environ.get('CXXFLAGS', '')}"]
 
 
 def _libs_key(mod: SourceFile, backend: str, libs: Libs) -> str:
@@ -233,4 +236,4 @@ def runtime(log=None) -> list[Path]:
     compiled now if it is not yet (once per machine: every later module only links it). For a
     test session or a benchmark that times module builds."""
     require_cpu_extra()
-    return commands.cpu_runtime(_compiler("cpu", Options()), log)
+    return commands.cpu_runtime(log)

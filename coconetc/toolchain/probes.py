@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -172,6 +173,40 @@ def _hash_files(h, files) -> None:
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
+
+
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def included(text: str, here: Path | None = None, runtime: Path | None = None) -> list[Path]:
+    """The runtime's files that TEXT includes with #include "...", directly or through one
+    another, each found where the compiler looks: next to the including file (HERE for TEXT),
+    then in the runtime folder RUNTIME (its -I; default runtime_dir()). Every #include counts,
+    whatever #if it sits under: the list may be longer than what the compiler reads, never
+    shorter. <...> headers are the toolchain's (its key)."""
+    root = (runtime or runtime_dir()).resolve()
+    seen: set[Path] = set()
+    todo = [(text, here)]
+    while todo:
+        body, folder = todo.pop()
+        for name in _QUOTED_INCLUDE.findall(body):
+            found = next((f for f in (*([folder / name] if folder else []), root / name) if f.is_file()), None)
+            if found is not None and (found := found.resolve()) not in seen:
+                seen.add(found)
+                todo.append((found.read_text(), found.parent))
+    return sorted(seen)
+
+
+def headers_key(text: str, here: Path | None = None, runtime: Path | None = None) -> str:
+    """A hash of what TEXT includes of the runtime (included): each file's path in the runtime
+    folder and its bytes. A compiled object's cache key holds it, so that an edit of a header
+    rebuilds the objects that include it, and only those."""
+    root = (runtime or runtime_dir()).resolve()
+    h = hashlib.sha256()
+    for f in included(text, here, root):
+        h.update(str(f.relative_to(root) if f.is_relative_to(root) else f).encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 @cache
