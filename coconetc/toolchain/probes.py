@@ -198,14 +198,11 @@ def included(text: str, here: Path | None = None, runtime: Path | None = None) -
 
 
 def headers_key(text: str, here: Path | None = None, runtime: Path | None = None) -> str:
-    """A hash of what TEXT includes of the runtime (included): each file's path in the runtime
-    folder and its bytes. A compiled object's cache key holds it, so that an edit of a header
-    rebuilds the objects that include it, and only those."""
-    root = (runtime or runtime_dir()).resolve()
+    """A hash of what TEXT includes of the runtime (included), as compiler_hash hashes files.
+    A compiled object's cache key holds it, so that an edit of a header rebuilds the objects
+    that include it, and only those."""
     h = hashlib.sha256()
-    for f in included(text, here, root):
-        h.update(str(f.relative_to(root) if f.is_relative_to(root) else f).encode() + b"\0")
-        h.update(f.read_bytes())
+    _hash_files(h, included(text, here, runtime))
     return h.hexdigest()
 
 
