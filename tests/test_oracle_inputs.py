@@ -13,6 +13,7 @@ import coconetc.autodiff  # noqa: F401  (registers the derived programs' operati
 from coconetc.autodiff import vjp
 from coconetc.autodiff.vjp import default_wrt
 from coconetc.interp.interpreter import Result
+from coconetc.ir import ops
 from coconetc.oracle.compare import compare
 from coconetc.oracle.inputs import dropout_probabilities, positive_params, random_inputs
 from coconetc.sourcefile import load_file, load_source
@@ -41,6 +42,29 @@ def test_positive_only_where_a_domain_needs_it():
     assert positive_params(gpt) == set()  # layernorm, softmax: defined for every value
     # the derived program: layernorm's rsqrt(mean(xc * xc) + eps), gelu's guarded x / x
     assert positive_params(vjp(gpt, default_wrt(gpt))) == set()
+
+
+EXTERN = """
+extern op twice(x) {
+    type = x
+    reference = "numpy:negative"
+    cpp = "twice.h", "twice"
+}
+program uses(a: f32[N], b: f32[N]) {
+    y = twice(a - b) + sqrt(a * a)
+    return y
+}
+"""
+
+
+def test_the_domain_is_the_operations_definition():
+    """Every built-in operation (the derived programs' too) says where it is defined and what sign
+    its result has (OpDef.domain); an extern operation says nothing, so every input its
+    arguments read is drawn positive."""
+    assert [n for n, d in ops.BUILT_IN.items() if d.domain is None] == []
+    assert ops.get("sqrt").domain == ops.Domain((0,), ops.NONNEG) and ops.get("sub").domain == ops.ANY
+    p = load_source(EXTERN).program("uses")
+    assert positive_params(p) == {"a", "b"}  # a - b, read by twice: both; sqrt(a * a): none
 
 
 def test_inputs_are_drawn_by_what_they_reach():

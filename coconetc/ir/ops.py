@@ -114,6 +114,31 @@ class Cost:
     comm: float = 0.0
 
 
+NONNEG = "nonneg"  # >= 0 whatever its arguments (booleans included)
+FOLLOWS = "follows"  # >= 0 when the arguments Domain.of name are
+EITHER = "either"  # >= 0 when any one argument is (max(a, b))
+UNKNOWN = "unknown"  # no positive argument settles its sign (a difference, a negation, gelu ...)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """Where an operation is defined and what sign its result has, for drawing test inputs
+    (oracle/inputs.py): positive: the value arguments it needs positive (sqrt's, a divisor, a
+    power's base); result: NONNEG, FOLLOWS (of: the arguments it follows, None: every one),
+    EITHER or UNKNOWN. An operation without one (an extern operation) is taken as defined only
+    for positive arguments: every argument it reads is drawn positive."""
+
+    positive: tuple[int, ...] = ()
+    result: str = UNKNOWN
+    of: tuple[int, ...] | None = None
+
+
+ANY = Domain()  # defined for every value, its sign unknown
+NONNEGATIVE = Domain(result=NONNEG)
+ALL_FOLLOW = Domain(result=FOLLOWS)  # >= 0 when every argument is (a sum, a product, a GEMM)
+FIRST_FOLLOWS = Domain(result=FOLLOWS, of=(0,))  # >= 0 when its first argument is (a copy, a collective)
+
+
 @dataclass(frozen=True)
 class Impl:
     """A backend's implementation of an extern operation: the header the generated module
@@ -171,6 +196,7 @@ class OpDef:
     combine: str = "sum"  # a reduction: how the ranks' partial results combine (sum | max | min)
     written: str = ""  # the name a program writes, when not `name` (amax: max(x)); see called()
     traits: frozenset[str] = frozenset()  # what the planner and the backends know it as (TRAITS)
+    domain: Domain | None = None  # its input domain and result sign (None: not known, as an extern's)
 
     @property
     def called(self) -> bool:
@@ -369,88 +395,93 @@ OP = Arg("op", "word", REDUCE_OPS)
 ROOT = Arg("root", "int")
 
 
-def _unary(name: str, fn: Callable[..., Any], cpp: str, flops: float = 1, trans: float = 0) -> None:
+def _unary(name: str, fn: Callable[..., Any], cpp: str, flops: float, trans: float, domain: Domain) -> None:
     rule = tr.float_valued if trans else tr.pointwise_rule  # transcendental: never an integer
     register(OpDef(name, "pointwise", X, rule, numpy=fn, cpp=Cpp(cpp + "({0})"),
-                   cost=Cost(flops, trans)))
+                   cost=Cost(flops, trans), domain=domain))
 
 
-def _binary(name: str, sym: str, prec: int, fn: Callable[..., Any], cpp_prec: int,
+def _binary(name: str, sym: str, prec: int, fn: Callable[..., Any], cpp_prec: int, domain: Domain,
             compare: bool = False) -> None:
     rule = tr.compare if compare else tr.pointwise_rule
     register(OpDef(name, "pointwise", AB, rule, numpy=fn, infix=Infix(sym, prec, sym == "**"),
                    cpp=Cpp(f"{{0}} {sym} {{1}}", cpp_prec, (cpp_prec, cpp_prec + 1)),
-                   operands=TO_COMMON if compare else TO_RESULT))
+                   operands=TO_COMMON if compare else TO_RESULT, domain=domain))
 
 
-def _function2(name: str, fn: Callable[..., Any], cpp: str, flops: float = 1, trans: float = 0,
+def _function2(name: str, fn: Callable[..., Any], cpp: str, domain: Domain, flops: float = 1, trans: float = 0,
                infix: Infix | None = None) -> None:
     register(OpDef(name, "pointwise", AB, numpy=fn, cpp=Cpp(cpp + "<{ct}>({0}, {1})"),
-                   infix=infix, cost=Cost(flops, trans)))
+                   infix=infix, cost=Cost(flops, trans), domain=domain))
 
 
 _fn: Callable[..., Any]  # the loops below share their variables
-for _name, _sym, _prec, _fn, _cprec in (("add", "+", 1, np.add, 6), ("sub", "-", 1, np.subtract, 6),
-                                        ("mul", "*", 2, np.multiply, 7), ("div", "/", 2, ref.div, 7)):
-    _binary(_name, _sym, _prec, _fn, _cprec)
+for _name, _sym, _prec, _fn, _cprec, _dom in (
+        ("add", "+", 1, np.add, 6, ALL_FOLLOW), ("sub", "-", 1, np.subtract, 6, ANY),
+        ("mul", "*", 2, np.multiply, 7, ALL_FOLLOW), ("div", "/", 2, ref.div, 7, Domain((1,), FOLLOWS))):
+    _binary(_name, _sym, _prec, _fn, _cprec, _dom)
 for _name, _sym, _fn, _cprec in (("lt", "<", np.less, 5), ("le", "<=", np.less_equal, 5),
                                  ("gt", ">", np.greater, 5), ("ge", ">=", np.greater_equal, 5),
                                  ("eq", "==", np.equal, 4), ("ne", "!=", np.not_equal, 4)):
-    _binary(_name, _sym, 0, _fn, _cprec, compare=True)
-_function2("pow", np.power, "coconet::power", 2, 2, infix=Infix("**", 4, right=True))
-_function2("min", np.minimum, "coconet::minimum")
-_function2("max", np.maximum, "coconet::maximum")
-register(OpDef("neg", "pointwise", X, numpy=np.negative, prefix="-", cpp=Cpp("-{0}", 8, (8,))))
-for _name, _fn, _cpp, _flops, _trans in (
-        ("sqrt", np.sqrt, "std::sqrt", 1, 1), ("rsqrt", ref.rsqrt, "coconet::rsqrt", 2, 1),
-        ("exp", np.exp, "std::exp", 1, 1), ("log", np.log, "std::log", 1, 1),
-        ("abs", np.abs, "std::abs", 1, 0), ("tanh", np.tanh, "std::tanh", 1, 1),
-        ("sigmoid", ref.sigmoid, "coconet::sigmoid", 3, 1), ("relu", ref.relu, "coconet::relu", 1, 0),
-        ("gelu", ref.gelu, "coconet::gelu", 4, 1)):
-    _unary(_name, _fn, _cpp, _flops, _trans)
+    _binary(_name, _sym, 0, _fn, _cprec, NONNEGATIVE, compare=True)
+# a power's base positive unless the exponent is an integer literal (oracle/inputs.py)
+_function2("pow", np.power, "coconet::power", Domain((0,), FOLLOWS, (0,)), 2, 2, infix=Infix("**", 4, right=True))
+_function2("min", np.minimum, "coconet::minimum", ALL_FOLLOW)
+_function2("max", np.maximum, "coconet::maximum", Domain(result=EITHER))
+register(OpDef("neg", "pointwise", X, numpy=np.negative, prefix="-", cpp=Cpp("-{0}", 8, (8,)), domain=ANY))
+for _name, _fn, _cpp, _flops, _trans, _dom in (
+        ("sqrt", np.sqrt, "std::sqrt", 1, 1, Domain((0,), NONNEG)), ("rsqrt", ref.rsqrt, "coconet::rsqrt", 2, 1,
+                                                                      Domain((0,), NONNEG)),
+        ("exp", np.exp, "std::exp", 1, 1, NONNEGATIVE), ("log", np.log, "std::log", 1, 1, Domain((0,))),
+        ("abs", np.abs, "std::abs", 1, 0, NONNEGATIVE), ("tanh", np.tanh, "std::tanh", 1, 1, ALL_FOLLOW),
+        ("sigmoid", ref.sigmoid, "coconet::sigmoid", 3, 1, NONNEGATIVE),
+        ("relu", ref.relu, "coconet::relu", 1, 0, NONNEGATIVE), ("gelu", ref.gelu, "coconet::gelu", 4, 1, ANY)):
+    _unary(_name, _fn, _cpp, _flops, _trans, _dom)
 register(OpDef("where", "pointwise", (Arg("cond"), Arg("a"), Arg("b")), tr.where, numpy=np.where,
-               cpp=Cpp("(({0}) ? {ct}({1}) : {ct}({2}))"), operands=COND_FIRST))
+               cpp=Cpp("(({0}) ? {ct}({1}) : {ct}({2}))"), operands=COND_FIRST,
+               domain=Domain(result=FOLLOWS, of=(1, 2))))
 register(OpDef("cast", "pointwise", (Arg("x"), Arg("dtype", "word", DTYPES)), tr.cast,
                numpy=ref.cast, cpp=Cpp("coconet::cast_to<{ctype}>({0})"), operands=AS_IS,
-               cost=Cost(0)))
+               cost=Cost(0), domain=FIRST_FOLLOWS))
 
 register(OpDef("dropout", "random", (Arg("x"), Arg("p"), Arg("seed")), tr.dropout,
-               cost=Cost(20), doc="the mask comes from the counter-based RNG (interp/rng.py)"))
+               cost=Cost(20), doc="the mask comes from the counter-based RNG (interp/rng.py)", domain=FIRST_FOLLOWS))
 
 register(OpDef("causal", "index", (Arg("x"), Arg("diagonal", "int", default=0, minimum=-(2**62))), tr.causal,
-               cost=Cost(1), fusable=False,
+               cost=Cost(1), fusable=False, domain=NONNEGATIVE,
                doc="true where the element's last index <= its second-last index + diagonal (torch.tril's "
                    "keep); x gives only the shape and layout: no mask is stored"))
 
-register(OpDef("sum", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sum_partial))
+register(OpDef("sum", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sum_partial, domain=ALL_FOLLOW))
 register(OpDef("norm", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sumsq_partial,
-               finish=np.sqrt, cost=Cost(2)))
-register(OpDef("segment_norm", "reduction", X, tr.segment_norm, PARTIAL, cost=Cost(2)))
+               finish=np.sqrt, cost=Cost(2), domain=NONNEGATIVE))
+register(OpDef("segment_norm", "reduction", X, tr.segment_norm, PARTIAL, cost=Cost(2), domain=NONNEGATIVE))
 # max(x), min(x): the largest (smallest) element, NaN if any is NaN (as torch.amax); an empty
 # slice's partial result is -inf (+inf), NumPy's `initial`. Written max/min with one argument.
 register(OpDef("amax", "reduction", X, tr.extreme, PARTIAL, numpy=ref.max_partial, combine="max",
-               written="max"))
+               written="max", domain=ALL_FOLLOW))
 register(OpDef("amin", "reduction", X, tr.extreme, PARTIAL, numpy=ref.min_partial, combine="min",
-               written="min"))
+               written="min", domain=ALL_FOLLOW))
 
 register(OpDef("matmul", "tensor", AB, tr.matmul, NEVER, numpy=np.matmul, fusable=False,
-               cost=Cost(2, inner=True), traits=frozenset({GEMM, OVERLAPPED})))
+               cost=Cost(2, inner=True), traits=frozenset({GEMM, OVERLAPPED}), domain=ALL_FOLLOW))
 register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg("eps", literal="f32")),
-               tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1), traits=frozenset({ROWWISE})))
+               tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1), traits=frozenset({ROWWISE}), domain=ANY))
 register(OpDef("softmax", "tensor", X, tr.rowwise, ROWS, numpy=ref.softmax, fusable=False, cost=Cost(4, 1),
-               doc="over the last dim, max subtracted; a fully masked (all -inf) row is zeros"))
+               doc="over the last dim, max subtracted; a fully masked (all -inf) row is zeros", domain=NONNEGATIVE))
 register(OpDef("transpose", "tensor", (Arg("x"), Arg("dim0", "int"), Arg("dim1", "int")), tr.transpose, NEVER,
-               numpy=ref.transpose, fusable=False, cost=Cost(0), doc="two dims swapped (a copy)"))
+               numpy=ref.transpose, fusable=False, cost=Cost(0), doc="two dims swapped (a copy)",
+               domain=FIRST_FOLLOWS))
 register(OpDef("reshape", "tensor", (Arg("x"), Arg("shape", "shape")), tr.reshape, NEVER, fusable=False,
                cost=Cost(0), doc="one dim split, or adjacent dims merged (a copy); the interpreter's own "
-                                 "(the local shape follows the slices)"))
+                                 "(the local shape follows the slices)", domain=FIRST_FOLLOWS))
 register(OpDef("index", "tensor", (Arg("x"), Arg("i", "int")), tr.index, NEVER, numpy=ref.index, fusable=False,
                cost=Cost(0), doc="x[i] along dim 0, an integer literal L (a layer of a stacked parameter: "
                                  "repeat); the stacked buffer's memory where the plan allows (Buffer.same_as), "
-                                 "else a copy"))
+                                 "else a copy", domain=FIRST_FOLLOWS))
 register(OpDef("conv2d", "tensor", (Arg("x"), Arg("w"), Arg("stride", "int", default=1, minimum=1),
                                     Arg("padding", "int", default=0)),
-               tr.conv2d, NEVER, numpy=ref.conv2d, fusable=False, cost=Cost(2, inner=True)))
+               tr.conv2d, NEVER, numpy=ref.conv2d, fusable=False, cost=Cost(2, inner=True), domain=ALL_FOLLOW))
 
 _DIM = Arg("dim", "int", default=0)
 for _name, _params, _comm in (
@@ -459,7 +490,7 @@ for _name, _params, _comm in (
         ("reduce", (OP, Arg("x"), ROOT), 1.0), ("scatter", (Arg("x"), _DIM), 0.0),
         ("send", (Arg("x"), Arg("direction", "word", ("next", "prev"))), 1.0)):
     register(OpDef(_name, "collective", _params, tr.collective, FREE if _name == "send" else NEVER,
-                   cost=Cost(0, comm=_comm)))
+                   cost=Cost(0, comm=_comm), domain=FIRST_FOLLOWS))
 
 # coconetc's own operations (autodiff/ops.py adds the derivatives' with register_built_in): what a
 # warm load's record may take as given, unlike an operation registered at run time (runtime/warm.py)

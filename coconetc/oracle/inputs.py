@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.interp.values import STORAGE, take_slice
+from coconetc.ir import ops
 from coconetc.ir.expr import Const, Expr, Op, Ref, walk
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import dim_symbols, eval_dim
@@ -43,28 +44,13 @@ def _values(q: Param, shape: tuple[int, ...], rng: np.random.Generator, positive
 
 
 # --- which inputs must be positive -----------------------------------------------------------
-# The arguments an operation needs positive (its domain): sqrt, rsqrt, log, a divisor, a power's
-# base (unless the exponent is an integer literal).
-_DOMAIN = {"sqrt": (0,), "rsqrt": (0,), "log": (0,), "div": (1,), "pow": (0,)}
-# Results >= 0 whatever their arguments (booleans included).
-_NONNEG = {"sqrt", "rsqrt", "exp", "abs", "softmax", "sigmoid", "relu", "norm", "segment_norm", "causal",
-           "lt", "le", "gt", "ge", "eq", "ne"}
-# Results > 0 (>= 0) when the arguments listed are (None: every argument).
-_FOLLOWS: dict[str, tuple[int, ...] | None] = {
-    **{o: None for o in ("add", "mul", "div", "min", "sum", "amax", "amin", "mean_last", "sum_lead",
-                         "sum_keep", "matmul", "matmul_nt", "matmul_tn", "conv2d", "tanh")},
-    **{o: (0,) for o in ("cast", "dropout", "transpose", "reshape", "index", "pow", "allreduce", "reducescatter",
-                         "allgather", "broadcast", "reduce", "scatter", "send")},
-    "where": (1, 2)}
+# Each operation's input domain and result sign is its definition's (ir/ops.py OpDef.domain).
 _UNKNOWN = None  # a value whose sign no positive input settles (a difference, a negation, gelu ...)
 
 
-_SAFE = {"sub", "neg", "gelu", "layernorm", "layernorm_dx", "layernorm_dgamma", "conv2d_dx", "conv2d_dw"}  # defined for every value
-
-
 def positive_params(p: Program) -> set[str]:
-    """The floating-point tensor parameters of p drawn positive: those an operation of _DOMAIN
-    needs positive. A domain argument whose sign the inputs settle (`var + eps` of squares, a sum
+    """The floating-point tensor parameters of p drawn positive: those an operation needs positive
+    (its Domain.positive). A domain argument whose sign the inputs settle (`var + eps` of squares, a sum
     of square roots) needs only the inputs it names; one they do not settle (`x - y`), every input
     it reads, as does any argument of an operation not known here (one registered by a user)."""
     signs = _Signs(p)
@@ -81,12 +67,19 @@ def positive_params(p: Program) -> set[str]:
 def _restricted(n: Op) -> list[tuple[Expr, bool]]:
     """The arguments of n that must be positive, each with whether its sign can be settled
     (False: an operation not known here, whose every argument is drawn positive, as before)."""
-    if n.op in _DOMAIN:
-        return [(n.args[i], True) for i in _DOMAIN[n.op]
-                if not (n.op == "pow" and _integral(n.args[1])) and not (n.op == "div" and _guarded(n.args[1]))]
-    if n.op in _NONNEG or n.op in _FOLLOWS or n.op == "max" or n.op in _SAFE:
-        return []
-    return [(a, False) for a in n.args]
+    d = _domain(n.op)
+    if d is None:
+        return [(a, False) for a in n.args]
+    return [(n.args[i], True) for i in d.positive
+            if not (n.op == "pow" and _integral(n.args[1])) and not (n.op == "div" and _guarded(n.args[1]))]
+
+
+def _domain(op: str) -> ops.Domain | None:
+    """The operation's Domain (None: an operation not known, or one that declares none)."""
+    try:
+        return ops.get(op).domain
+    except KeyError:
+        return None
 
 
 class _Signs:
@@ -118,16 +111,17 @@ class _Signs:
         if isinstance(e, Ref):
             return self._ref(e.name)
         assert isinstance(e, Op)
-        if e.op in _NONNEG or (e.op == "mul" and e.args[0] == e.args[1]) or (e.op == "pow" and _even(e.args[1])):
+        d = _domain(e.op)
+        result = d.result if d is not None else ops.UNKNOWN
+        if result == ops.NONNEG or (e.op == "mul" and e.args[0] == e.args[1]) or (e.op == "pow" and _even(e.args[1])):
             return frozenset()
-        if e.op == "max":  # max(a, b) >= 0 when either is
+        if result == ops.EITHER:  # max(a, b) >= 0 when either is
             known = [n for n in map(self.needs, e.args) if n is not None]
             return min(known, key=len) if known else _UNKNOWN
-        if e.op not in _FOLLOWS:
+        if d is None or result != ops.FOLLOWS:
             return _UNKNOWN
-        which = _FOLLOWS[e.op]
         out: frozenset[str] = frozenset()
-        for i in range(len(e.args)) if which is None else which:
+        for i in range(len(e.args)) if d.of is None else d.of:
             n = self.needs(e.args[i])
             if n is None:
                 return _UNKNOWN
