@@ -92,7 +92,7 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
                 text = ex.kernel_table(doc) if fmt == "text" else ""
             else:
                 text = ex.explain(mod, name, schedule, ranks, mine, nodes, target)
-                if schedule is not None and schedule != "auto" and target == "cpu":
+                if schedule is not None and schedule != "auto" and target.facts.modelled:
                     more = ex.pipeline_text(mod, name, schedule, ranks, mine, chart=chart)
                     text += "\n" + more if more else ""
             if text:

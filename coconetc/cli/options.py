@@ -39,12 +39,12 @@ def lib_kwargs(include_dirs, library_dirs, libraries) -> dict:
     return dict(include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
 
 
-def target_of(backend: str, emulate: bool) -> str:
+def target_of(backend: str, emulate: bool) -> Target:
     """The toolchain's target of --backend and --emulate: cpu, cuda or cuda-emulated."""
     return Target.CPU if backend != "cuda" else Target.EMULATED if emulate else Target.CUDA
 
 
-def checked_target(command: str, backend: str, emulate: bool, emulated: str) -> str:
+def checked_target(command: str, backend: str, emulate: bool, emulated: str) -> Target:
     """target_of, after the checks every command taking --backend/--emulate makes: --emulate only
     with --backend cuda, and --backend cuda alone only where PyTorch sees a GPU (a GPU's
     records are keyed by its name); EMULATED says what --emulate would do instead."""

@@ -152,11 +152,12 @@ def _show_auto(mod: SourceFile, name: str, fmt: str, target: str = "cpu") -> Non
     from coconetc.sourcefile import add_schedules
     from coconetc.ir import printer
     from coconetc.oracle.inputs import size_symbols
+    from coconetc.plan.targets import Target
     from coconetc.runtime import tuned as cache
     recs = cache.records(mod.source, name, target)
     if not recs:
         cmd = cache.tune_command(mod.file, name, "R", dict.fromkeys(size_symbols(mod.programs[name]), "INT"), target)
-        fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file}{cache.MEASURED_ON[target]}; "
+        fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file}{Target(target).facts.measured_on}; "
               f"run `{cmd}` first")
     rec = recs[-1]
     choice, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
@@ -174,7 +175,7 @@ def _show_auto(mod: SourceFile, name: str, fmt: str, target: str = "cpu") -> Non
         return
     shown = ", ".join(f"{k}={v}" for k, v in rec["sizes"].items())
     click.echo(f"# schedule auto for {name}: the tuner's choice for {shown} on {rec['ranks']} ranks"
-               f"{cache.MEASURED_ON[target]} ({rec['measured'][choice] * 1e3:.3f} ms): {choice}"
+               f"{Target(target).facts.measured_on} ({rec['measured'][choice] * 1e3:.3f} ms): {choice}"
                + (" (its fused collectives point-to-point: call it as schedule=" + repr(choice) + ")"
                   if choice != label else ""))
     click.echo(text or f"# (the program itself, unscheduled)\n{printer.program(mod.programs[name])}", nl=False)

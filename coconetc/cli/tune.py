@@ -40,7 +40,7 @@ def tune(file, ranks, program, sizes, reps, keep, json_path, backend, emulate) -
     from coconetc.tune import tuner
     target = checked_target("tune", backend, emulate, "measure the generated CUDA code on the CPU")
     if keep is None:
-        keep = tuner.KEEP if target == "cpu" else math.inf
+        keep = tuner.KEEP if target.facts.modelled else math.inf  # (pruned by the cost model's times)
     mod = load_ccn(file)
     name = pick_program(mod, program, None)
     known = size_symbols(mod.programs[name])

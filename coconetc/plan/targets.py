@@ -51,7 +51,7 @@ What it decides:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
@@ -68,6 +68,51 @@ class Target(Choice):
     CUDA = "cuda"
     EMULATED = "cuda-emulated"  # the generated CUDA code run on the host (`--backend cuda --emulate`)
 
+    @property
+    def facts(self) -> Facts:
+        """Every fact a layer asks about this target (FACTS)."""
+        return FACTS[self]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What each layer knows about one target, in one place: the toolchain's names, where its
+    tensors live and what its module takes, what the tuner and `explain` can say about it, and
+    the words its errors use. What a backend does its own way (code, not facts) is its
+    runtime.backends.Backend's."""
+
+    prefix: str  # its modules' names begin so (toolchain/compiler.py)
+    device: str  # where its tensor arguments live (a torch device type)
+    gpu: bool  # it needs a CUDA device here
+    emulated: bool  # the CUDA module built for the host
+    torch_tensors: bool  # CPU torch tensors given: updated ones' versions bumped, outputs as tensors
+    noun: str  # what to pass instead, in errors
+    tag: str  # its part of a name (coconetc.torch's operators)
+    algorithms: bool  # a schedule label's "@algorithm" (a CPU fused collective's) means something
+    schedules_left_out: str  # where its module may lack a schedule of the file, why (in errors)
+    modelled: bool  # the cost model's times are its own (tune prunes by them; explain shows them)
+    measured_on: str  # where its tuning records were measured, in words
+    tune_flags: str  # the `coconetc tune` options that measure on it
+    worker_flags: tuple[str, ...]  # the tuner's rank program's options for it (jobs/tune.py)
+
+
+_LEFT_OUT = ("; the CUDA module leaves out what the CUDA backend does not implement: `coconetc check --backend cuda` "
+             "says why")
+FACTS: dict[Target, Facts] = {
+    Target.CPU: Facts("ccn", "cpu", gpu=False, emulated=False, torch_tensors=True, noun="arrays",
+                      tag="cpu", algorithms=True, schedules_left_out="", modelled=True,
+                      measured_on=" on this machine", tune_flags="", worker_flags=()),
+    # CUDA tensors: the checks refuse in-place updates of ones that require grad; the module's
+    # collectives are chosen when it is compiled
+    Target.CUDA: Facts("ccn_cuda", "cuda", gpu=True, emulated=False, torch_tensors=False, noun="tensors",
+                       tag="cuda", algorithms=False, schedules_left_out=_LEFT_OUT, modelled=False,
+                       measured_on=" on this machine's GPU", tune_flags=" --backend cuda", worker_flags=("--cuda",)),
+    # NumPy arrays (or CPU tensors) stand for device memory
+    Target.EMULATED: Facts("ccn_emu", "cpu", gpu=False, emulated=True, torch_tensors=False,
+                           noun="arrays", tag="emu", algorithms=False, schedules_left_out=_LEFT_OUT, modelled=False,
+                           measured_on=" under the CUDA host emulation on this machine",
+                           tune_flags=" --backend cuda --emulate", worker_flags=("--emulate-cuda",)),
+}
 
 TARGETS = tuple(Target)
 

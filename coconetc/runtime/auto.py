@@ -14,6 +14,7 @@ import numpy as np
 
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, parse
+from coconetc.plan.targets import Target
 from coconetc.runtime import layout, tuned
 from coconetc.runtime.marshal import local_shape
 
@@ -38,7 +39,7 @@ def choice(source: str, file: str, program: str, sizes: dict[str, int], ranks: i
     if rec is None:
         shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
         raise ValueError(f"the tuning cache has no choice for {shown} on {ranks} ranks"
-                         + (f" in {groups} groups" if groups > 1 else "") + f"{tuned.MEASURED_ON[target]}; run "
+                         + (f" in {groups} groups" if groups > 1 else "") + f"{Target(target).facts.measured_on}; run "
                          f"`{tuned.tune_command(file, program, ranks, dict(sizes), target)}` first")
     label = rec["choice"]
     text = rec["schedules"].get(label, "") if label in rec.get("generated", []) else ""
@@ -68,7 +69,7 @@ def _position(comm: Any) -> tuple[int, int]:
 
 
 def _on(fn: Any) -> str:
-    return tuned.MEASURED_ON[getattr(fn, "target", "cpu")]
+    return Target(getattr(fn, "target", "cpu")).facts.measured_on
 
 
 def _command(fn: Any, ranks: int, sizes: dict[str, int]) -> str:

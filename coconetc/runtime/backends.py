@@ -40,14 +40,16 @@ class Backend:
 
     name = "cpu"
     target = Target.CPU  # the toolchain's target (and which tuning records schedule="auto" reads)
-    device = "cpu"  # where its tensor arguments live (a torch device type)
-    emulated = False  # the CUDA module built for the host
-    torch_tensors = True  # CPU torch tensors given: updated ones' versions bumped, outputs as tensors
-    noun = "arrays"  # what to pass instead, in errors
-    tag = "cpu"  # its part of a name (coconetc.torch's operators)
-    gpu = False  # it needs a CUDA device here
-    algorithms = True  # a schedule label's "@algorithm" (a CPU fused collective's) means something
-    schedules_left_out = ""  # where its module may lack a schedule of the file, why (in errors)
+
+    # --- the target's facts (plan/targets.py Facts: their one home) -----------------------------
+    device = property(lambda self: self.target.facts.device)
+    emulated = property(lambda self: self.target.facts.emulated)
+    torch_tensors = property(lambda self: self.target.facts.torch_tensors)
+    noun = property(lambda self: self.target.facts.noun)
+    tag = property(lambda self: self.target.facts.tag)
+    gpu = property(lambda self: self.target.facts.gpu)
+    algorithms = property(lambda self: self.target.facts.algorithms)
+    schedules_left_out = property(lambda self: self.target.facts.schedules_left_out)
 
     # --- for the code above the runtime (coconetc.torch, the CLI) -------------------------------
     def torch_device(self) -> Any:
@@ -134,13 +136,6 @@ class Backend:
 class CudaBackend(Backend):
     name = "cuda"
     target = Target.CUDA
-    device = "cuda"
-    torch_tensors = False  # CUDA tensors: the checks refuse in-place updates of ones that require grad
-    noun = "tensors"
-    tag = "cuda"
-    gpu = True
-    algorithms = False  # the CUDA module's collectives are chosen when it is compiled
-    schedules_left_out = "; the CUDA module leaves out what the CUDA backend does not implement: `coconetc check --backend cuda` says why"
 
     def torch_device(self) -> Any:
         import torch
@@ -237,11 +232,6 @@ class EmulatedBackend(CudaBackend):
 
     name = Target.EMULATED.value
     target = Target.EMULATED
-    device = "cpu"
-    emulated = True
-    noun = "arrays"
-    tag = "emu"
-    gpu = False
 
     def torch_device(self) -> Any:
         import torch

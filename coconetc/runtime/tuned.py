@@ -38,17 +38,11 @@ FILE = "tuning.json"
 ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/tuning.json)
 
 
-# per target: where its records were measured, and the `coconetc tune` options that measure there
-MEASURED_ON: dict[str, str] = {Target.CPU: " on this machine", Target.CUDA: " on this machine's GPU",
-               Target.EMULATED: " under the CUDA host emulation on this machine"}
-TUNE_FLAGS: dict[str, str] = {Target.CPU: "", Target.CUDA: " --backend cuda", Target.EMULATED: " --backend cuda --emulate"}
-
-
 def tune_command(file: str, program: str, ranks: int | str, sizes: dict[str, Any], target: str = "cpu") -> str:
     """The `coconetc tune` command that makes the record of PROGRAM at these SIZES on RANKS on
     TARGET (what a reader of the records names when it finds none; "R", "INT": for the user to fill)."""
     shown = " ".join(f"--size {k}={v}" for k, v in sizes.items())
-    return f"coconetc tune {file} --program {program}{TUNE_FLAGS[target]} --ranks {ranks} {shown}".rstrip()
+    return f"coconetc tune {file} --program {program}{Target(target).facts.tune_flags} --ranks {ranks} {shown}".rstrip()
 
 
 def path() -> Path:

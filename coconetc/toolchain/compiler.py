@@ -28,8 +28,6 @@ from coconetc.toolchain.probes import (BuildError, cache_dir, compiler_hash, cud
                                        emulation_missing, require_cpu_extra, toolchain)
 
 PROBE = "ccn_module_name_placeholder"  # the module's name while its key is computed
-PREFIX: dict[str, str] = {Target.CPU: "ccn", Target.CUDA: "ccn_cuda", Target.EMULATED: "ccn_emu"}
-SOURCE: dict[str, str] = {Target.CPU: "module.cpp", Target.CUDA: "module.cu", Target.EMULATED: "module.cu"}
 
 
 def _absolute(dirs) -> tuple[str, ...]:
@@ -124,11 +122,11 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     libs = Libs.of(mod.file, bool(mod.externs), o.include_dirs, o.library_dirs, o.libraries)
     src = way.generate(mod, o, libs, o.name or PROBE)
     if not o.build:
-        return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
+        return Artifact(mod, backend, _named(src, o.name or f"{Target(backend).facts.prefix}_{module_stem(mod.file)}"),
                         None if o.out_dir is None else Path(o.out_dir), None)
     parts, libs_key = _compiler(backend, o), _libs_key(mod, backend, libs)  # once: the emulation's reads the runtime files it includes
     key = artifacts.content_key([*parts, *_files(backend, src).values(), libs_key])
-    name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
+    name = f"{Target(backend).facts.prefix}_{module_stem(mod.file)}_{key}"
     src = _named(src, name)
     return _build(mod, backend, src, o, way.command(name, src, parts, o, libs, libs_key))
 
@@ -224,7 +222,7 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
     parts = _emulated_parts(rt)
     binding = (runtime_dir(), _emulated_parts(runtime_dir())) if installed_binding else None
     key = artifacts.content_key([*parts, cu, *(binding[1] if binding else []), *defines])
-    name = f"{PREFIX[Target.EMULATED]}_{identifier(stem)}_{key}"
+    name = f"{Target.EMULATED.facts.prefix}_{identifier(stem)}_{key}"
     where = Path(out_dir).absolute() if out_dir else cache_dir().absolute() / name
     so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where,
                          commands.emulated(name, rt, parts, binding, defines), log)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from coconetc.ir import ops
 from coconetc.plan.label import DEFAULT, parse
+from coconetc.plan.targets import Target
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
 from coconetc.runtime import tuned as cache
@@ -43,7 +44,7 @@ def _sizes(mod: SourceFile, program: str, ranks: int, given: dict[str, int],
     missing = " ".join(f"--size {k}=INT" for k in need if k not in given)
     sizes = {k: given.get(k, "INT") for k in need}
     raise ExplainError(f"explain {program}: give the sizes ({missing}); the tuning cache has "
-                       f"no record of '{program}' on {ranks} ranks{cache.MEASURED_ON[target]} to take "
+                       f"no record of '{program}' on {ranks} ranks{Target(target).facts.measured_on} to take "
                        f"them from (`{cache.tune_command(mod.file, program, ranks, sizes, target)}` makes one)")
 
 
@@ -70,9 +71,9 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
     labels = _labels(mod, program, schedule, rec)
     if schedule == "auto" and rec is None:
         raise ExplainError(f"no tuned choice for '{program}' at these sizes on {ranks} ranks"
-                           f"{cache.MEASURED_ON[target]}; run "
+                           f"{Target(target).facts.measured_on}; run "
                            f"`{cache.tune_command(mod.file, program, ranks, sizes, target)}`")
-    modelled = target == "cpu"  # the cost model is the CPU backend's
+    modelled = Target(target).facts.modelled  # the cost model is the CPU backend's
     measured = rec["measured"] if rec is not None else {}
     head = (f"{'schedule':<26} {'moved':>11} {'sent/rank':>11} " + (f"{'net/rank':>11} " if nodes > 1 else "")
             + f"{'passes':>6} {'launches':>8} {'units':>5} " + (f"{'modelled':>11} " if modelled else "")
@@ -91,7 +92,7 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
         if len(labels) == 1:
             lines += _units(c, algorithms=modelled)
     if rec is None and not modelled:
-        lines.append(f"(no record{cache.MEASURED_ON[target]} at these sizes on {ranks} ranks: run "
+        lines.append(f"(no record{Target(target).facts.measured_on} at these sizes on {ranks} ranks: run "
                      f"`{cache.tune_command(mod.file, program, ranks, sizes, target)}`)")
     return "\n".join(lines) + "\n"
 
@@ -120,9 +121,9 @@ def _labels(mod: SourceFile, program: str, schedule: str | None, rec: dict | Non
 def _title(program: str, sizes: dict[str, int], ranks: int, nodes: int, target: str) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
     where = f"{ranks} ranks" + (f" over {nodes} nodes" if nodes > 1 else "")
-    if target == "cpu":
+    if Target(target).facts.modelled:
         return f"{program} at {shown} on {where} (per rank; cost model: docs/performance.md)"
-    return (f"{program} at {shown} on {where}, measured{cache.MEASURED_ON[target]} (per rank; the "
+    return (f"{program} at {shown} on {where}, measured{Target(target).facts.measured_on} (per rank; the "
             f"counts are the CPU cost model's, docs/performance.md; its modelled times are the CPU "
             f"backend's and do not apply to {target}, so none is shown)")
 

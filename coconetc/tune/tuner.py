@@ -41,7 +41,6 @@ from coconetc.plan.cost import cost
 from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates
 
 KEEP = 2.0
-WORKER_FLAGS: dict[str, list[str]] = {Target.CUDA: ["--cuda"], Target.EMULATED: ["--emulate-cuda"]}  # jobs/tune.py's
 MAX_GENERATED = 12
 
 
@@ -84,7 +83,7 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
     assert target in TARGETS, target
     cands = candidates(mod, program)
     pr = prune(cands, sizes, ranks, keep)
-    variants = algorithm_variants(pr.measured, ranks) if target == "cpu" else []
+    variants = algorithm_variants(pr.measured, ranks) if Target(target).facts.algorithms else []
     echo(f"{program}: {len(cands)} legal schedules ({sum(c.generated for c in cands)} written by the "
          f"tuner); measuring {len(pr.measured)} ({len(pr.dropped)} pruned by the cost model)"
          + (f", {len(variants)} of them also with point-to-point fused collectives (@p2p)" if variants else ""))
@@ -102,7 +101,7 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
 
 def _build(src: Path, mod: SourceFile, target: str) -> Artifact:
     """The module the ranks load (cached by the toolchain, so they find it built)."""
-    if target == "cpu":
+    if target == Target.CPU:  # (with the tuned schedules of other programs, as coconetc.load builds)
         return compile_cpu(load_file(src), include_dirs=[str(Path(mod.file).resolve().parent)])
     return compile(load_file(src), target, Options())
 
@@ -167,9 +166,9 @@ def _run_measured(mod: SourceFile, program: str, sizes: dict[str, int], ranks: i
                   pr: Pruned, work: Path, src: Path, echo: Callable[[str], None], progress: bool,
                   timeout: float | None, target: str) -> dict[str, Any]:
     echo(f"building one module with {len(pr.measured)} schedules"
-         + ("" if target == "cpu" else f" ({target})") + " ...")
+         + ("" if target == Target.CPU else f" ({target})") + " ...")
     art = _build(src, mod, target)
-    if target != "cpu":  # the schedules the CUDA backend does not implement are not in the module
+    if Target(target).facts.schedules_left_out:  # the schedules the CUDA backend does not implement are not in it
         left = [c for c in pr.measured if (program, c.schedule) not in art.sources.functions]
         if left:
             echo("not measured (the CUDA backend does not implement them; `coconetc check --backend cuda` "
@@ -179,7 +178,7 @@ def _run_measured(mod: SourceFile, program: str, sizes: dict[str, int], ranks: i
     argv = ["-m", "coconetc.jobs.tune", str(src), "--program", program, f"--reps={reps}",
             f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
             *[f"--size={k}={v}" for k, v in sizes.items()],
-            *(WORKER_FLAGS.get(target, [])),
+            *Target(target).facts.worker_flags,
             *[f"--schedule={c.label}" for c in pr.measured]]
     rc = _run_worker(ranks, argv, len(pr.measured) * (reps + 1), progress, timeout)
     if not out.exists():  # (written, with no choice, when no winner matched the interpreter)
