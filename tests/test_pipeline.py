@@ -265,5 +265,6 @@ def test_explain_without_matplotlib_says_what_to_install(tmp_path, monkeypatch) 
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     res, png = _explain_chart(tmp_path)
-    assert res.exit_code != 0 and "chart needs matplotlib: pip install matplotlib" in res.output, res.output
+    from coconetc.paths import install_command
+    assert res.exit_code != 0 and f"chart needs matplotlib: {install_command('bench')}" in res.output, res.output
     assert not png.exists()

@@ -243,8 +243,11 @@ def test_render() -> None:
 
 def test_chart_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+    from coconetc.paths import install_command
+    with pytest.raises(RuntimeError) as e:
         chart(simulate(make("1f1b", 2, 2)), str(tmp_path / "t.png"))
+    assert str(e.value) == f"chart needs matplotlib: {install_command('bench')}"  # (the bench extra's packages)
+    assert "matplotlib" in install_command("bench") and "coconet[" not in str(e.value)
 
 
 def test_chart_writes_a_png(tmp_path) -> None:

@@ -446,8 +446,8 @@ def chart(timeline: Timeline, path: str) -> None:
     try:
         import matplotlib
     except ImportError as e:
-        raise RuntimeError("chart needs matplotlib: pip install matplotlib "
-                           "(or pip install 'coconet[bench]')") from e
+        from coconetc.paths import install_command
+        raise RuntimeError(f"chart needs matplotlib: {install_command('bench')}") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
