@@ -104,6 +104,33 @@ def test_warm_load_in_a_fresh_process_imports_no_front_end_or_generator(sgd):
     np.testing.assert_allclose(got["w"], 1 - 0.5 * np.arange(6, dtype=np.float32))
 
 
+CHECK = """
+import sys
+import numpy as np
+from coconetc.oracle import compare
+a = np.linspace(0, 1, 5, dtype=np.float32)
+assert compare._diff("w", a, a.copy()) == []
+assert compare._diff("w", a, a + 1) != []
+print(sorted(m for m in sys.modules if m.split(".")[0] == "ml_dtypes"))
+"""
+
+
+def test_checking_a_result_imports_no_ml_dtypes_unless_it_is_bf16():
+    """Every rank of `coconetc run` checks its results against the interpreter's: an f32 result's
+    check finds its dtype's tolerance without making bf16's NumPy dtype, whose import (ml_dtypes,
+    most of a second) each rank paid. A bf16 result is still checked with bf16's tolerance."""
+    res = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]"
+    import ml_dtypes
+
+    from coconetc.ir.storage import STORAGE
+    from coconetc.oracle import compare
+    b = np.linspace(0, 1, 5).astype(ml_dtypes.bfloat16)
+    assert STORAGE.name_of(b.dtype) == "bf16" and STORAGE.name_of(np.dtype(np.float16)) == "f16"
+    assert compare._diff("w", b, b.copy()) == [] and compare._diff("w", b, b + 1) != []
+
+
 def test_what_the_load_depends_on_changes(sgd, monkeypatch):
     coconetc.load(sgd, log=lambda msg: None)
     seen = _parses(monkeypatch)

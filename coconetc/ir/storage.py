@@ -45,5 +45,16 @@ class _Storage(Mapping[str, np.dtype]):
     def __len__(self) -> int:
         return len(self._order)
 
+    def name_of(self, dtype: np.dtype) -> str:
+        """The language dtype NumPy's DTYPE stores (a KeyError if none), without making bf16's
+        when DTYPE is not it (iterating items() would import ml_dtypes)."""
+        for n, d in self._known.items():
+            if d == dtype:
+                return n
+        for n in self._LAZY:
+            if np.dtype(dtype).name == TABLE[n].numpy:
+                return n
+        raise KeyError(dtype)
 
-STORAGE: Mapping[str, np.dtype] = _Storage()
+
+STORAGE = _Storage()

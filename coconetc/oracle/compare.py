@@ -69,7 +69,7 @@ def _diff(what: str, want: np.ndarray, got: np.ndarray | None, loosest: str | No
         return [f"{what}: missing"]
     if want.shape != got.shape or want.dtype != got.dtype:
         return [f"{what}: {got.dtype}{list(got.shape)} instead of {want.dtype}{list(want.shape)}"]
-    name = next(k for k, v in STORAGE.items() if v == want.dtype)
+    name = STORAGE.name_of(want.dtype)
     rtol, atol = TOLERANCE[name]
     if loosest is not None and name in ("f32", "f64"):
         rtol, atol = max(rtol, TOLERANCE[loosest][0]), max(atol, TOLERANCE[loosest][1])
