@@ -19,6 +19,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # does, with the defaults. A CXXFLAGS of the caller's is kept.
 os.environ.setdefault("CXXFLAGS", "-O0")
 
+# Every MPI process the tests start is on this machine: its ranks talk over shared memory, and
+# Open MPI's libfabric transport (btl ofi) would spend about a second of each MPI_Init probing
+# networks (coconetc.launch.mpiexec.environment leaves it out for the ranks it starts on one
+# machine; this covers the rest: a test process's own MPI, and the docs' mpiexec commands).
+os.environ.setdefault("OMPI_MCA_btl", "^ofi")
+
 
 def pytest_configure(config):
     """Every test, and every rank or process it starts, builds into one cache, the session's

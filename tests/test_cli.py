@@ -613,6 +613,20 @@ def test_launch_on_a_hostfile_of_this_machine(tmp_path: Path) -> None:
     assert "rank 0 of 2" in res.stdout and "rank 1 of 2" in res.stdout
 
 
+def test_ranks_of_this_machine_leave_out_the_network_transport(monkeypatch) -> None:
+    """Ranks started on this machine run without Open MPI's libfabric transport (btl ofi, about a
+    second of each rank's MPI_Init spent probing networks); ranks on hosts keep every transport,
+    and a user's own OMPI_MCA_btl is kept."""
+    from coconetc.launch import mpiexec
+    if not mpiexec._is_open_mpi():
+        pytest.skip("an Open MPI setting")
+    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
+    assert mpiexec.environment(2)["OMPI_MCA_btl"] == "^ofi"
+    assert "OMPI_MCA_btl" not in mpiexec.environment(2, local=False)
+    monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
+    assert mpiexec.environment(2)["OMPI_MCA_btl"] == "self,tcp"
+
+
 @pytest.mark.parametrize("label, plan", [("default", "default"), ("zero", "zero"), ("zero@p2p", "zero")])
 def test_show_takes_schedule_labels(label: str, plan: str) -> None:
     """show -s takes a schedule label as run and a call do: 'default' is the program itself,

@@ -69,6 +69,8 @@ def environment(ranks: int, local: bool = True) -> dict[str, str]:
         env.setdefault("OMPI_MCA_osc", "^ucx")  # see coconetc.runtime.hooks.quiet_osc_ucx
         if local and ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        if local:  # ranks of one machine talk over shared memory; libfabric's transport (btl ofi)
+            env.setdefault("OMPI_MCA_btl", "^ofi")  # spends about 1 s of each rank's MPI_Init probing networks
     return env
 
 
