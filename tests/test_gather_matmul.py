@@ -306,6 +306,7 @@ def _check(capfd, ranks: int, argv: list[str], want: list[str]) -> None:
         assert line.startswith(head) and line.endswith("matches the interpreter on every rank"), f"{line}\n{log}"
 
 
+@pytest.mark.slow  # its 41 functions' units: about a minute of builds (the plans and proofs are quick)
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_cpu_matches_interpreter(request, capfd):
     import coconetc

@@ -166,6 +166,7 @@ def _sizes(**small: int) -> list[str]:
 EMPTY = {"S": 2, "M": 2, "K": 2}
 
 
+@pytest.mark.slow  # every program in four dtypes: one build of about 40 s (quick: test_grad_schedules.py)
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_cpu_backend_matches_interpreter(tmp_path_factory):
     """Every program in f32 and f64 (and HALF in f16 and bf16): one file, one build."""

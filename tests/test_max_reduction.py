@@ -269,6 +269,7 @@ def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n, capfd):
     assert rc == 0 and out.count("OK ") == 12, out
 
 
+@pytest.mark.slow  # its CPU twin, test_compiled_schedules_equal_the_interpreter[shm], is quick
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_equals_the_interpreter_and_numpy(mm_file, capfd):
     """Several blocks of the two-pass kernel (N=1001), then NaN/inf through ncclMax on 3 ranks,

@@ -188,7 +188,8 @@ def test_every_pipeline_order_computes_the_programs_gradients(order: str, stages
             np.testing.assert_allclose(got[r][k], v, rtol=1e-12, atol=1e-12, err_msg=f"{k} on rank {r}")
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the pipeline's schedules run under the interpreter in the quick set
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
 def test_a_pipeline_schedule_runs_compiled(capfd, backend: str) -> None:
     """coconetc.torch.pipeline.from_schedule: tests/programs/pipeline_model.ccn's zero-bubble
     schedule, its stage programs compiled (each its layers' rows of the stacked weights, its

@@ -113,7 +113,7 @@ def test_gradients_match_finite_differences_and_the_calls(mod, ranks):
         np.testing.assert_allclose((got[k] * v).sum(), (loss[0] - loss[1]) / (2 * eps), rtol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulate"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("emulate", marks=pytest.mark.slow)])
 def test_compiled_against_the_interpreter(backend):
     """The repeated model, its derived program (and on the CPU the two calls), compiled, against
     the interpreter on 2 ranks (random inputs, dropout included): on the CPU, and the CUDA code

@@ -93,7 +93,7 @@ def test_sharded_parameters_on_R_ranks(built, capfd, tmp_path, R):
     _job(capfd, R, "roundtrip", "train", "partial", "program", f"save:{tmp_path / 'ckpt.pt'}", "errors")
 
 
-@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("R", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_units_gather_one_at_a_time_and_train_like_one_process(capfd, R):
     """Units (the default split, named nested ones, a weight tied across units), both reshard
     settings and prefetch 0 to 2: gradients and 5 AdamW steps against one process; with

@@ -47,6 +47,7 @@ def test_tp_mlp_every_schedule_against_autograd(built, capfd, ranks):
     assert rc == 0, log
 
 
+@pytest.mark.slow  # its CPU twin, test_tp_mlp_every_schedule_against_autograd, is quick
 def test_tp_mlp_on_the_cuda_backend_under_the_emulation(built, capfd, monkeypatch):
     """backend="cuda" with COCONET_CUDA_EMULATE=1: the generated CUDA forward and backward
     (cuBLAS, NCCL and the kernels under the host emulation) take CPU tensors for CUDA ones."""

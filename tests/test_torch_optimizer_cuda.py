@@ -30,6 +30,11 @@ from coconetc.launch.mpiexec import run_python
 
 torch = pytest.importorskip("torch")
 
+# make test only: the five optimizers' emulated CUDA modules take most of a minute to build, and
+# the quick set checks DistributedOptimizer on the CPU backend (tests/test_torch_optimizer.py)
+# and the emulated CUDA backend through tests/test_cuda_emulate.py's quick cases
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
 WORKER = Path(__file__).with_name("torch_optimizer_cuda_worker.py")

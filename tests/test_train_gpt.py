@@ -163,6 +163,7 @@ def test_sharded_gpt_trains_like_one_process_and_resumes_its_checkpoint(tmp_path
     assert (tmp_path / "ckpt.pt").exists()
 
 
+@pytest.mark.slow  # the sharded checkpoint's resume on as many ranks is quick
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_sharded_gpt_checkpoint_of_4_ranks_resumes_on_2(tmp_path, monkeypatch):
     """Saved on 4 ranks (and resumed there), loaded on 2 (--load): the whole-tensor checkpoint

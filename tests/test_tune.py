@@ -496,6 +496,7 @@ def test_run_auto_on_the_cuda_backend_reads_the_cuda_records(example) -> None:
     assert res.exit_code == 0 and "the tuner's choice for N=65 on 2 ranks: auto_rs_c_ag_slice" in res.stdout
 
 
+@pytest.mark.slow  # the CPU backend's run of the tuner's choice is quick
 def test_run_auto_on_the_cuda_backend_runs_the_cuda_choice(example, tmp_path, monkeypatch, capfd) -> None:
     """With a record for each target, `run -s auto --backend cuda --emulate` runs the CUDA
     record's choice (a schedule its tuner wrote, built into the module before the ranks start)."""
