@@ -20,6 +20,9 @@ pytestmark = pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'c
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 
 
+# make test only, as the pipeline's other compiled runs: each stage is a layer of gpt_block.ccn, whose
+# forward and derived backward no quick test builds (the orders, plans and refusals of schedules are quick)
+@pytest.mark.slow
 def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     rc, lines, log = rank_checks.launch(capfd, WORKER, 2, "refusals", timeout=300)
     assert rc == 0, log
@@ -41,6 +44,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert sorted(said["steps"]) == ["0 0 2 0 2 same", "1 0 2 0 2 same"], log
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_mid_step_ends_the_job(capfd) -> None:
     rc, _, log = rank_checks.launch(capfd, WORKER, 2, "dies", timeout=120)
     assert rc not in (0, 124), log  # ended, and not by the timeout
