@@ -69,7 +69,7 @@ class _Group:
         else:  # packed once; the parameters then view the flat buffer
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.empty(0, dtype=want, device=dev)
-            if opt._shared and opt._backend == "cpu":  # in a shared window: the peers read this rank's part in place
+            if opt._shared and opt._side.weights_in_window:  # the peers read this rank's part in place
                 opt._everyone_here("a parameter group in shared memory", self.n)  # (sizes agreed first)
                 self.flat = (_node_copy if opt._one_copy else _shared_copy)(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
@@ -77,12 +77,7 @@ class _Group:
         gdt = getattr(torch, layout.TORCH_DTYPES[roles.grad_dtype])
         self.gflat = torch.zeros(self.n, dtype=gdt, device=dev)
         if opt._shared and not roles.scattered:  # the gradient too: nothing staged
-            if opt._backend == "cpu":
-                self.gflat = _shared_copy(self.gflat, roles.grad_dtype, opt._comm)
-            else:  # in a window of the NCCL communicator: the symmetric kernel's peers read it in place
-                from coconetc.runtime.symmetric_windows import window_empty
-                nccl: Any = opt._comm
-                self.gflat = window_empty(opt._fn.ext, nccl, (self.n,), roles.grad_dtype).zero_()
+            self.gflat = opt._side.grad_window(opt, self.gflat, roles.grad_dtype)
         self.gviews = self._views(self.gflat)
         self.state = {q.name: opt._zeros(q.name, self.n) for q in roles.state}
         if roles.master is not None:  # the master weights start as the parameters' values
@@ -147,6 +142,107 @@ class _Group:
         return args
 
 
+class _Mpi:
+    """How the CPU backend's optimizer communicates and shares its buffers: over an mpi4py
+    communicator, the flat weights and gradient in shared-memory windows of the node's ranks."""
+
+    weights_in_window = True  # the flat weights may be in a shared window (one copy a node: shared_weights)
+    comm_words = "an mpi4py intra-communicator"
+
+    def connect(self, params: list, source: str | Path, program: str | None, comm: Any,
+                process_group: Any) -> tuple[Any, Any, int, int, torch.device, str]:
+        """(the module function, the communicator, this rank, the ranks, the device, its words)."""
+        from mpi4py import MPI
+
+        from coconetc.runtime.nccl import NcclComm
+        if process_group is not None or isinstance(comm, NcclComm):
+            raise ValueError("DistributedOptimizer: the CPU backend communicates over MPI (comm= an "
+                             "mpi4py communicator); process_group= and NCCL are for backend='cuda'")
+        check_devices("DistributedOptimizer", "cpu", param_names(params))
+        comm = MPI.COMM_WORLD if comm is None else comm
+        return function_of(source, program), comm, comm.Get_rank(), comm.Get_size(), torch.device("cpu"), "the CPU"
+
+    def shared_by_default(self, opt: DistributedOptimizer) -> bool:
+        """In shared windows by default where every rank is on this node."""
+        return opt._one_node()
+
+    def grad_window(self, opt: DistributedOptimizer, gflat: torch.Tensor, dtype: str) -> torch.Tensor:
+        return _shared_copy(gflat, dtype, opt._comm)
+
+    def exchange(self, opt: DistributedOptimizer, mine: Any, label: str) -> list:
+        from coconetc.runtime import agree
+        return agree.exchange(opt._comm, mine, label, agree.timeout_s())
+
+    def gather(self, opt: DistributedOptimizer, local: torch.Tensor, spans: list[slice], n: int) -> torch.Tensor:
+        """Every rank's slice, in place in the whole tensor (MPI Allgatherv)."""
+        full = torch.empty(n, dtype=local.dtype)
+        item = local.element_size()
+        starts = [sl.start * item for sl in spans]
+        counts = [(sl.stop - sl.start) * item for sl in spans]
+        assert counts[opt._rank] == local.numel() * item
+        send = local.contiguous().view(torch.uint8).numpy() if local.numel() else np.empty(0, np.uint8)
+        recv = full.view(torch.uint8).numpy() if n else np.empty(0, np.uint8)
+        from mpi4py import MPI
+        opt._comm.Allgatherv([send, MPI.BYTE], [recv, counts, starts, MPI.BYTE])
+        return full
+
+
+class _Nccl:
+    """How the CUDA backend's optimizer communicates and shares its buffers: over the module's
+    NCCL communicator (made over an mpi4py communicator or a torch.distributed group), the flat
+    gradient in a window of it; checkpoints through the host."""
+
+    weights_in_window = False
+    comm_words = "an mpi4py intra-communicator or a coconetc.runtime.cuda.NcclComm"
+
+    def connect(self, params: list, source: str | Path, program: str | None, comm: Any,
+                process_group: Any) -> tuple[Any, Any, int, int, torch.device, str]:
+        from coconetc.runtime.nccl import NcclComm
+        check_devices("DistributedOptimizer", "cuda", param_names(params))
+        fn = function_of(source, program, backend="cuda")
+        comm = comm if isinstance(comm, NcclComm) else _nccl(fn.ext, comm, process_group)
+        return fn, comm, comm.rank, comm.size, fn.backend.torch_device(), fn.backend.device_words()
+
+    def shared_by_default(self, opt: DistributedOptimizer) -> bool:
+        """The gradient in a window of the communicator wherever there are peers to read it."""
+        return opt._size > 1
+
+    def grad_window(self, opt: DistributedOptimizer, gflat: torch.Tensor, dtype: str) -> torch.Tensor:
+        """In a window of the NCCL communicator: the symmetric kernel's peers read it in place."""
+        from coconetc.runtime.symmetric_windows import window_empty
+        return window_empty(opt._fn.ext, opt._comm, (gflat.numel(),), dtype).zero_()
+
+    def exchange(self, opt: DistributedOptimizer, mine: Any, label: str) -> list:
+        """Over the NCCL communicator's MPI communicator or torch.distributed group."""
+        from coconetc.runtime import agree
+        from coconetc.runtime.nccl import exchange
+        return exchange(opt._comm, mine, label, agree.timeout_s())
+
+    def gather(self, opt: DistributedOptimizer, local: torch.Tensor, spans: list[slice], n: int) -> torch.Tensor:
+        """Every rank's slice copied to the host and exchanged over the NCCL communicator's MPI
+        communicator or torch.distributed group (a checkpoint is not the hot path), the whole
+        tensor back on this optimizer's device."""
+        comm: Any = opt._comm
+        mine = local.detach().cpu()
+        parts: list[Any]
+        if comm.size == 1:
+            parts = [mine]
+        elif comm.mpi is not None:
+            parts = comm.mpi.allgather(mine)
+        else:
+            import torch.distributed as dist
+            parts = [None] * comm.size
+            dist.all_gather_object(parts, mine, group=comm.host_group or comm.group)
+        for sl, part in zip(spans, parts):
+            assert part.numel() == sl.stop - sl.start, (sl, part.shape)
+        full = torch.cat(parts) if parts else torch.empty(0, dtype=local.dtype)
+        assert full.numel() == n
+        return full.to(opt._device)
+
+
+# What differs between the backends' optimizers, one object each (DistributedOptimizer(backend=))
+_SIDES: dict[str, _Mpi | _Nccl] = {"cpu": _Mpi(), "cuda": _Nccl()}
+
 _NCCL: dict[tuple, Any] = {}
 
 
@@ -195,7 +291,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skipped, self._feedback = self._roles.returned(skipped, feedback)
         self.outputs: list[dict[str, torch.Tensor]] = []
         if shared_memory is None:  # in place where it is safe: flat weights on one node (CPU), a flat gradient (CUDA)
-            self._shared = not self._roles.scattered and (self._one_node() if backend == "cpu" else self._size > 1)
+            self._shared = not self._roles.scattered and self._side.shared_by_default(self)
         self._one_copy = self._node_weights(shared_weights, source, schedule)
         self._groups: list[_Group] = []
         defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
@@ -228,7 +324,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return False
         why = ("the weights are not in shared memory (shared_memory=False, the CUDA backend, scattered "
                "weights, or ranks on several nodes)"
-               if not self._shared or self._roles.scattered or self._backend != "cpu" else
+               if not self._shared or self._roles.scattered or not self._side.weights_in_window else
                f"schedule {schedule!r} does not write each rank's part of '{self._roles.weights}' alone "
                f"(a fused collective's all-gather into it does: `zero`)"
                if not plan_of(source, self._fn, schedule).own_part_only(self._roles.weights) else "")
@@ -240,12 +336,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _settings(self, params: list, backend: str | None, shared_memory: bool | None,
                   across_groups: bool) -> str:
         """The backend (None: the parameters' device), shared_memory and across_groups checked."""
-        if backend not in (None, "cpu", "cuda"):
-            raise ValueError(f"DistributedOptimizer: backend must be 'cpu', 'cuda' or None (the "
-                             f"parameters' device), got {backend!r}")
+        if backend is not None and backend not in _SIDES:
+            raise ValueError(f"DistributedOptimizer: backend must be {', '.join(map(repr, _SIDES))} or None "
+                             f"(the parameters' device), got {backend!r}")
         if backend is None:
             backend = "cuda" if any(p.is_cuda for p in all_tensors(params)) else "cpu"
         self._backend = backend
+        self._side = _SIDES[backend]
         if shared_memory is not None and not isinstance(shared_memory, bool):
             raise TypeError(f"DistributedOptimizer: shared_memory must be None, True or False, got {shared_memory!r}")
         self._shared = bool(shared_memory)
@@ -258,33 +355,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  process_group: Any) -> None:
         """The backend's module function, communicator and device; the parameters on that device."""
         from coconetc.runtime.nccl import NcclComm
-        backend = self._backend
         if comm is not None and not isinstance(comm, NcclComm):
             from mpi4py import MPI
             if not isinstance(comm, MPI.Intracomm):
-                raise TypeError(f"DistributedOptimizer: comm must be an mpi4py intra-communicator"
-                                f"{' or a coconetc.runtime.cuda.NcclComm' if backend == 'cuda' else ''} "
+                raise TypeError(f"DistributedOptimizer: comm must be {self._side.comm_words} "
                                 f"(default MPI.COMM_WORLD), got {torch.typename(comm)}")
-        if backend == "cpu":
-            if process_group is not None or isinstance(comm, NcclComm):
-                raise ValueError("DistributedOptimizer: the CPU backend communicates over MPI (comm= an "
-                                 "mpi4py communicator); process_group= and NCCL are for backend='cuda'")
-            from mpi4py import MPI
-            check_devices("DistributedOptimizer", "cpu", param_names(params))
-            self._fn = function_of(source, program)
-            self._comm = MPI.COMM_WORLD if comm is None else comm
-            self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
-            self._device = torch.device("cpu")
-            self._device_words = "the CPU"
-        else:
-            check_devices("DistributedOptimizer", "cuda", param_names(params))
-            self._fn = function_of(source, program, backend="cuda")
-            if isinstance(comm, NcclComm):
-                self._comm = comm
-            else:
-                self._comm = _nccl(self._fn.ext, comm, process_group)
-            self._rank, self._size = self._comm.rank, self._comm.size
-            self._device, self._device_words = self._fn.backend.torch_device(), self._fn.backend.device_words()
+        (self._fn, self._comm, self._rank, self._size, self._device,
+         self._device_words) = self._side.connect(params, source, program, comm, process_group)
 
     def _one_node(self) -> bool:
         """Whether every rank of the communicator shares this node's memory (collective: an
@@ -491,15 +568,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every rank of the communicator must be here (gathering the state is collective): a
         rank that is not makes the job end after COCONET_TIMEOUT, naming it, instead of hanging;
         ranks whose groups differ in size raise on every rank."""
-        from coconetc.runtime import agree
         mine = ("coconetc.torch", what, [g.n for g in self._groups], extra)
         label = f"DistributedOptimizer.{what} ({self._fn.name}, schedule {self._schedule!r})"
-        if self._backend == "cpu":
-            everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
-        else:  # over the NCCL communicator's MPI communicator or torch.distributed group
-            from coconetc.runtime.nccl import exchange
-            nccl: Any = self._comm
-            everyone = exchange(nccl, mine, label, agree.timeout_s())
+        everyone = self._side.exchange(self, mine, label)
         bad = [r for r, x in enumerate(everyone) if x != mine]
         if bad:
             raise RuntimeError(f"{label}: rank {bad[0]} is not doing the same (it is at "
@@ -508,40 +579,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gather(self, name: str, local: torch.Tensor, n: int) -> torch.Tensor:
         """The whole tensor from every rank's slice (a copy of it when it is not sliced)."""
-        ranks, rank = self._size, self._rank
         if name not in self._roles.sliced:
             return local.clone()
-        spans = [self._index(name, n, r)[0] for r in range(ranks)]
-        if self._backend != "cpu":  # through the host, over MPI or the process group
-            return self._gather_host(local, spans, n)
-        full = torch.empty(n, dtype=local.dtype)
-        item = local.element_size()
-        starts = [sl.start * item for sl in spans]
-        counts = [(sl.stop - sl.start) * item for sl in spans]
-        assert counts[rank] == local.numel() * item
-        send = local.contiguous().view(torch.uint8).numpy() if local.numel() else np.empty(0, np.uint8)
-        recv = full.view(torch.uint8).numpy() if n else np.empty(0, np.uint8)
-        from mpi4py import MPI
-        self._comm.Allgatherv([send, MPI.BYTE], [recv, counts, starts, MPI.BYTE])
-        return full
-
-    def _gather_host(self, local: torch.Tensor, spans: list[slice], n: int) -> torch.Tensor:
-        """The CUDA backend's gather: every rank's slice copied to the host and exchanged over
-        the NCCL communicator's MPI communicator or torch.distributed group (a checkpoint is not
-        the hot path), the whole tensor back on this optimizer's device."""
-        comm: Any = self._comm
-        mine = local.detach().cpu()
-        parts: list[Any]
-        if comm.size == 1:
-            parts = [mine]
-        elif comm.mpi is not None:
-            parts = comm.mpi.allgather(mine)
-        else:
-            import torch.distributed as dist
-            parts = [None] * comm.size
-            dist.all_gather_object(parts, mine, group=comm.host_group or comm.group)
-        for sl, part in zip(spans, parts):
-            assert part.numel() == sl.stop - sl.start, (sl, part.shape)
-        full = torch.cat(parts) if parts else torch.empty(0, dtype=local.dtype)
-        assert full.numel() == n
-        return full.to(self._device)
+        return self._side.gather(self, local, [self._index(name, n, r)[0] for r in range(self._size)], n)
