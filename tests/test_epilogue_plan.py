@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from coconetc.plan import plan_program
 from coconetc.plan.epilogue import bgrad_of, epilogue_of
 from coconetc.plan.show import show
@@ -173,6 +175,7 @@ def _run_blocks(tmp_path, src: str) -> None:
     assert "matches the interpreter on every rank" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.slow  # the CPU epilogue's quick check is the output product's
 def test_cpu_epilogue_over_blocks_of_rows_matches_the_interpreter(tmp_path):
     """The CPU renders a's gelu_bias as the GEMM over blocks of rows with the epilogue after
     each block (p, local partial sums, and r, replicated, are of different types: no residual

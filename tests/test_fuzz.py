@@ -136,6 +136,7 @@ def _generate(src: str) -> str | None:
     return cpp
 
 
+@pytest.mark.slow  # random programs: make test's (the examples' schedules are checked one by one in test_schedules.py)
 @FUZZ
 @given(_mutated())
 def test_mutated_examples(src: str) -> None:
@@ -336,6 +337,7 @@ def _example_schedule(draw) -> str:
     return src + f"\nschedule extra for {prog} {{\n" + "\n".join(lines) + "\n}\n"
 
 
+@pytest.mark.slow  # random schedules: make test's, as the other random programs
 @FUZZ
 @given(_example_schedule())
 def test_random_schedules_of_examples(src: str) -> None:

@@ -85,7 +85,7 @@ def _job(capfd, R: int, *modes: str) -> None:
     assert rc == 0, log
 
 
-@pytest.mark.parametrize("R", [1, 2, 3])
+@pytest.mark.parametrize("R", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_parameters_on_R_ranks(built, capfd, tmp_path, R):
     """Parts, gathers and state dicts of uneven shapes, dims and dtypes; 3 AdamW steps against one
     process; gradients of layers used on some ranks or none; shards passed to a compiled program;
