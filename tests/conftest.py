@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from coconetc.launch import mpiexec
 from coconetc.sourcefile import SourceFile, load_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -19,11 +20,11 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # does, with the defaults. A CXXFLAGS of the caller's is kept.
 os.environ.setdefault("CXXFLAGS", "-O0")
 
-# Every MPI process the tests start is on this machine: its ranks talk over shared memory, and
-# Open MPI's libfabric transport (btl ofi) would spend about a second of each MPI_Init probing
-# networks (coconetc.launch.mpiexec.environment leaves it out for the ranks it starts on one
-# machine; this covers the rest: a test process's own MPI, and the docs' mpiexec commands).
-os.environ.setdefault("OMPI_MCA_btl", "^ofi")
+# Every MPI process the tests start is on this machine: Open MPI's settings for that
+# (mpiexec.ONE_MACHINE, which mpiexec.environment gives the ranks it starts on one machine) for
+# the rest too: a test process's own MPI, and the docs' mpiexec commands.
+for _k, _v in mpiexec.ONE_MACHINE.items():
+    os.environ.setdefault(_k, _v)
 
 
 def pytest_configure(config):

@@ -58,6 +58,11 @@ def command(ranks: int, argv: list[str], hostfile: str | None = None, hosts: str
     return cmd + argv
 
 
+# Open MPI's settings for ranks that are all on this machine: they talk over shared memory, and
+# libfabric's transport (btl ofi) spends about 1 s of each rank's MPI_Init probing networks.
+ONE_MACHINE = {"OMPI_MCA_btl": "^ofi"}
+
+
 def environment(ranks: int, local: bool = True) -> dict[str, str]:
     """os.environ plus what Open MPI needs to run R ranks on this machine (LOCAL: on this
     machine only; with hosts given the ranks spread over them and this machine's cores say
@@ -69,8 +74,9 @@ def environment(ranks: int, local: bool = True) -> dict[str, str]:
         env.setdefault("OMPI_MCA_osc", "^ucx")  # see coconetc.runtime.hooks.quiet_osc_ucx
         if local and ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-        if local:  # ranks of one machine talk over shared memory; libfabric's transport (btl ofi)
-            env.setdefault("OMPI_MCA_btl", "^ofi")  # spends about 1 s of each rank's MPI_Init probing networks
+        if local:
+            for k, v in ONE_MACHINE.items():
+                env.setdefault(k, v)
     return env
 
 
