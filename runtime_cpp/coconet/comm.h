@@ -52,7 +52,7 @@ constexpr const char* kEnvSimulateNodes = "COCONET_SIMULATE_NODES";
 // K of COCONET_SIMULATE_NODES for a communicator of `size` ranks (0 when unset or empty).
 // Throws std::invalid_argument (the same on every rank) unless K is an integer >= 1 dividing
 // the size.
-inline int simulated_nodes(int size) {
+COCONET_LIBRARY int simulated_nodes(int size) COCONET_LIBRARY_BODY({
   const char* env = std::getenv(kEnvSimulateNodes);
   if (!env || !*env) return 0;
   char* end = nullptr;
@@ -62,13 +62,13 @@ inline int simulated_nodes(int size) {
   require(size % k == 0, std::string(kEnvSimulateNodes) + "=" + env + " does not divide the " +
                              std::to_string(size) + " ranks of the communicator into equal nodes");
   return static_cast<int>(k);
-}
+})
 
 // The simulated node of rank `rank` of a communicator of `size` ranks (0 without simulation).
-inline int simulated_node(int rank, int size) {
+COCONET_LIBRARY int simulated_node(int rank, int size) COCONET_LIBRARY_BODY({
   const int k = simulated_nodes(size);
   return k ? rank / (size / k) : 0;
-}
+})
 
 // The ranks of `comm` on this rank's node, in comm's order (collective over comm; the caller
 // frees it): those sharing memory with it and, under COCONET_SIMULATE_NODES, in the same
@@ -87,14 +87,14 @@ inline MPI_Comm node_comm(MPI_Comm comm, int sim_node) {
 }
 
 // The cores of this node divided among the ranks of `comm` on it (collective over comm).
-inline int node_share(MPI_Comm comm, int sim_node) {
+COCONET_LIBRARY int node_share(MPI_Comm comm, int sim_node) COCONET_LIBRARY_BODY({
   MPI_Comm node = node_comm(comm, sim_node);
   int local = 1;
   MPI_Comm_size(node, &local);
   MPI_Comm_free(&node);
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   return std::max(1, cores / std::max(1, local));
-}
+})
 
 // How a group lies on nodes (ShmWindow::available): M nodes of L ranks each when every node
 // holds the same number of the group's ranks (L = 0 otherwise).
@@ -504,7 +504,7 @@ COCONET_STATE int comm_cache_keyval() COCONET_STATE_BODY({
 })
 
 // The Comm for `base` split into `groups` groups, created on first use (collective then).
-inline Comm& cached_comm(MPI_Comm base, int groups = 1) {
+COCONET_LIBRARY Comm& cached_comm(MPI_Comm base, int groups = 1) COCONET_LIBRARY_BODY({
   int key = comm_cache_keyval();
   void* value = nullptr;
   int found = 0;
@@ -520,6 +520,6 @@ inline Comm& cached_comm(MPI_Comm base, int groups = 1) {
   Comm& ref = *comm;
   cache.emplace(groups, std::move(comm));
   return ref;
-}
+})
 
 }  // namespace coconet

@@ -27,11 +27,12 @@
 #include <string>
 
 #include "require.h"
+#include "state.h"
 
 namespace coconet {
 
 // Rank in MPI_COMM_WORLD, or -1 when MPI is not running (before MPI_Init, after MPI_Finalize).
-inline int world_rank_or_none() {
+COCONET_LIBRARY int world_rank_or_none() COCONET_LIBRARY_BODY({
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -39,7 +40,7 @@ inline int world_rank_or_none() {
   int rank = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   return rank;
-}
+})
 
 // Stops every rank of the job: prints "coconet rank R: msg" to stderr and calls MPI_Abort.
 // For failures after communication has started (see the policy above).
@@ -52,13 +53,13 @@ inline int world_rank_or_none() {
 }
 
 // Turns a failed MPI call into abort_all() with MPI's error string.
-inline void check_mpi(int rc, const char* what) {
+COCONET_LIBRARY void check_mpi(int rc, const char* what) COCONET_LIBRARY_BODY({
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
   abort_all(std::string(what) + " failed: " + std::string(text, len));
-}
+})
 
 #define COCONET_MPI(call) ::coconet::check_mpi((call), #call)
 

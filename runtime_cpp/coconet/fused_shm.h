@@ -45,6 +45,7 @@
 #include "reduce_ops.h"
 #include "segments.h"
 #include "slices.h"
+#include "state.h"
 
 namespace coconet {
 
@@ -127,21 +128,21 @@ COCONET_STATE std::atomic<int64_t>& hier_runs() COCONET_STATE_BODY({
 
 // True unless the call (CallArgs::fused, e.g. schedule "zero@p2p") or, when the call does not
 // say, COCONET_FUSED asks for point-to-point (or the group has one rank).
-inline bool window_allowed(const Comm& comm) {
+COCONET_LIBRARY bool window_allowed(const Comm& comm) COCONET_LIBRARY_BODY({
   if (comm.size <= 1 || comm.shm.algo == 1) return false;
   if (comm.shm.algo == 0) {
     const char* env = std::getenv("COCONET_FUSED");
     if (env && std::strcmp(env, "p2p") == 0) return false;
   }
   return true;
-}
+})
 
 // True when fused collectives on `comm` go through its shared-memory window: more than one rank,
 // all on this node (nodes as node_comm in comm.h says), and window_allowed (collective over the
 // group on first use).
-inline bool shm_chosen(Comm& comm) {
+COCONET_LIBRARY bool shm_chosen(Comm& comm) COCONET_LIBRARY_BODY({
   return window_allowed(comm) && comm.shm.available(comm.group, comm.size, comm.sim_node);
-}
+})
 
 // shm_chosen, counting the runs (shm_runs).
 inline bool use_shm(Comm& comm) {
@@ -404,8 +405,8 @@ void for_each_union_piece(Shape3 shape, int R, const NodeLayout& nl, int j, F&& 
 // written in place, gathered over a group of M nodes of L ranks: across nodes among the ranks of
 // the same local rank (each then holds U_l), then within the node through the window region at
 // `at` (target g at goff[g]; with L = 1 no window), and a sync after when the region is fenced.
-inline void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget>& gathers, size_t at,
-                        const std::vector<size_t>& goff, bool fenced) {
+COCONET_LIBRARY void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget>& gathers, size_t at,
+                        const std::vector<size_t>& goff, bool fenced) COCONET_LIBRARY_BODY({
   constexpr int kTagGather = 22;
   const NodeLayout& nl = comm.shm.layout();
   const int R = comm.size, me = comm.rank, M = nl.nodes, L = nl.per_node, k = nl.node, l = nl.local;
@@ -440,7 +441,7 @@ inline void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget
         });
   }
   if (fenced) win.sync();
-}
+})
 
 // compute_ag (fused.h) over a group on several nodes (hier_chosen): compute(begin, end) on this
 // rank's slice chunk by chunk (the reduce-scatter's RoundPlan), then gather_hier of the targets

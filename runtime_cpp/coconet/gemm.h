@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "state.h"
 
 #if defined(__F16C__) && !defined(__CUDACC__)
 #include <immintrin.h>
@@ -78,12 +79,12 @@ void gemm_loop(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T
 constexpr int kRowMajor = 101, kNoTrans = 111;  // CBLAS_ORDER / CBLAS_TRANSPOSE values
 
 // Checks that BLAS's int dimensions can hold the sizes (the same on every rank).
-inline void require_blas_dims(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                              int64_t ldc) {
+COCONET_LIBRARY void require_blas_dims(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                              int64_t ldc) COCONET_LIBRARY_BODY({
   for (int64_t d : {M, N, K, lda, ldb, ldc})
     if (d > INT_MAX) throw std::invalid_argument("matmul: dimension " + std::to_string(d) +
                                                  " exceeds BLAS's 32-bit int");
-}
+})
 
 // OpenBLAS's threads per process (set 1 when several MPI ranks share the cores).
 inline void set_blas_threads(int n) { COCONET_BLAS_SET_THREADS(n); }

@@ -20,6 +20,7 @@
 #include "pointwise.h"
 #include "rng.h"
 #include "segments.h"
+#include "state.h"
 
 namespace coconet {
 
@@ -115,7 +116,7 @@ double min_of(const X& x, int64_t n) {
 // The largest of each xs[i] over the group, in place, NaN if any rank's is NaN (MPI_MAX alone
 // does not say what a NaN gives): one all-reduce of the values without NaN and of NaN flags.
 // A min is the max of the negated values (batch.h: reduce_extreme).
-inline void allreduce_max(double* xs, int64_t n, Comm& comm) {
+COCONET_LIBRARY void allreduce_max(double* xs, int64_t n, Comm& comm) COCONET_LIBRARY_BODY({
   std::vector<double> buf(static_cast<size_t>(2 * n));
   for (int64_t i = 0; i < n; ++i) {
     const bool nan = xs[i] != xs[i];
@@ -127,7 +128,7 @@ inline void allreduce_max(double* xs, int64_t n, Comm& comm) {
   for (int64_t i = 0; i < n; ++i)
     xs[i] = buf[static_cast<size_t>(n + i)] > 0 ? std::numeric_limits<double>::quiet_NaN()
                                                  : buf[static_cast<size_t>(i)];
-}
+})
 
 // segment_norm: out[i] = the L2 norm of the segment holding global element off + i.  x holds
 // n local elements starting at global index off; for a sliced x the per-segment sums of

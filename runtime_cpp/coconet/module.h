@@ -27,6 +27,7 @@
 #include "rng.h"
 #include "segments.h"
 #include "slices.h"
+#include "state.h"
 #include "trace.h"
 
 #ifdef _OPENMP
@@ -74,7 +75,7 @@ inline int64_t overlap_task_chunk_elems(int64_t count, int R) {
 // At the start of every generated function, before its Comm: COCONET_THREADS if set; and BLAS
 // gets as many threads as OpenMP loops (the cores left per rank), so ranks sharing a node do
 // not oversubscribe it with spinning BLAS threads.
-inline void init_threads() {
+COCONET_LIBRARY void init_threads() COCONET_LIBRARY_BODY({
   static bool done = [] {
     on_threads_set() = [](int n) { set_blas_threads(n); };
     if (const char* env = std::getenv("COCONET_THREADS")) {
@@ -84,7 +85,7 @@ inline void init_threads() {
     return true;
   }();
   (void)done;
-}
+})
 
 // A temporary of n elements for allocation site Site of a generated function, kept per thread
 // across calls (grown when needed), so repeated calls neither allocate nor page-fault.  A

@@ -13,15 +13,16 @@
 #include <vector>
 
 #include "require.h"
+#include "state.h"
 
 namespace coconet {
 
 // Prefix sums of segment sizes: starts[i] = first logical index of segment i; back() = total.
-inline std::vector<int64_t> segment_starts(const std::vector<int64_t>& sizes) {
+COCONET_LIBRARY std::vector<int64_t> segment_starts(const std::vector<int64_t>& sizes) COCONET_LIBRARY_BODY({
   std::vector<int64_t> starts(sizes.size() + 1, 0);
   for (size_t i = 0; i < sizes.size(); ++i) starts[i + 1] = starts[i] + sizes[i];
   return starts;
-}
+})
 
 // Calls f(segment, offset in segment, offset in range, length) for each non-empty piece of the
 // logical range [begin, end), in order.

@@ -22,6 +22,7 @@
 #include "dtypes.h"
 #include "errors.h"
 #include "pieces.h"
+#include "state.h"
 #include "slices.h"
 #include "trace.h"
 
@@ -89,7 +90,7 @@ struct Msg {
 };
 
 // Fills `m` with the message for the logical range [begin, end) of `s` (end - begin < 2^31).
-inline void range_msg(const RawSegments& s, int64_t begin, int64_t end, Msg& m) {
+COCONET_LIBRARY void range_msg(const RawSegments& s, int64_t begin, int64_t end, Msg& m) COCONET_LIBRARY_BODY({
   std::vector<int> lens;
   std::vector<MPI_Aint> displs;
   char* first = nullptr;
@@ -113,7 +114,7 @@ inline void range_msg(const RawSegments& s, int64_t begin, int64_t end, Msg& m) 
   m.owned = true;
   m.buf = MPI_BOTTOM;
   m.count = 1;
-}
+})
 
 // Posts a non-blocking send of the logical range [begin, end) of `s` (nothing if empty).
 inline void isend_range(const RawSegments& s, int64_t begin, int64_t end, int dest, int tag,
@@ -156,10 +157,10 @@ inline void wait_all(std::vector<MPI_Request>& reqs) {
 }
 
 // Checks that an element count fits MPI's int counts (same answer on every rank).
-inline int mpi_count(int64_t n, const char* what) {
+COCONET_LIBRARY int mpi_count(int64_t n, const char* what) COCONET_LIBRARY_BODY({
   require(n >= 0 && n <= INT_MAX, std::string(what) + ": " + std::to_string(n) +
                                       " elements do not fit an MPI count (max 2^31-1)");
   return static_cast<int>(n);
-}
+})
 
 }  // namespace coconet

@@ -65,14 +65,14 @@ inline int64_t now_ns() {
       .count();
 }
 
-inline void record(const Event& e) {
+COCONET_LIBRARY void record(const Event& e) COCONET_LIBRARY_BODY({
   Buffer& b = buffer();
   std::lock_guard<std::mutex> lock(b.mu);
   if (static_cast<int64_t>(b.events.size()) < b.max_events)
     b.events.push_back(e);
   else
     ++b.dropped;
-}
+})
 
 // Tracing on (keeping at most max_events until the next take) or off.
 inline void set_on(bool on, int64_t max_events) {
