@@ -685,23 +685,28 @@ bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
   return true;
 }
 
-// The collectives through the window for every dtype a program has, instantiated once per
-// machine (runtime.cpp, linked into every module beside its binding) instead of in every unit
-// of every module: each instantiates the fused pieces above for its dtype, which took most of
-// a unit's compile time (a bf16 all-reduce several seconds). A generated unit defines
-// COCONET_LINKS_RUNTIME; code that uses the headers alone (runtime_cpp/tests) instantiates them
-// itself.
+// The collectives for every dtype a program has, instantiated once per machine (runtime.cpp,
+// the runtime library every unit links) instead of in every unit of every module: those through
+// the window instantiate the fused pieces above for their dtype, which took most of a unit's
+// compile time (a bf16 all-reduce several seconds), and the plain all-reduce, reduce-scatter and
+// all-gather that call them were a tenth of a unit's machine code at -O0. A generated unit
+// defines COCONET_LINKS_RUNTIME; code that uses the headers alone (runtime_cpp/tests)
+// instantiates them itself.
 // (COCONET_SHARED on each instantiation too: the types half and bfloat16 are hidden, which would
 // make their instantiations hidden, out of the units' reach.)
-#define COCONET_SHM_COLLECTIVES(T, EXTERN)                                                                     \
+#define COCONET_COLLECTIVES(T, EXTERN)                                                                         \
   EXTERN template COCONET_SHARED bool allreduce_shm<T>(Op, const T*, T*, int64_t, Comm&);                    \
   EXTERN template COCONET_SHARED bool reduce_scatter_shm<T>(Op, const Segments<const T>&, T*, Shape3, Comm&); \
-  EXTERN template COCONET_SHARED bool allgather_shm<T>(const T*, T*, Shape3, Comm&);
+  EXTERN template COCONET_SHARED bool allgather_shm<T>(const T*, T*, Shape3, Comm&);                         \
+  EXTERN template COCONET_SHARED void allreduce<T>(Op, const T*, T*, int64_t, Comm&);                        \
+  EXTERN template COCONET_SHARED void reduce_scatter<T>(Op, const T*, T*, int64_t, int64_t, int64_t, Comm&,  \
+                                                        int64_t);                                            \
+  EXTERN template COCONET_SHARED void allgather<T>(const T*, T*, int64_t, int64_t, int64_t, Comm&, int64_t);
 #define COCONET_EACH_DTYPE(X) X(float) X(double) X(half) X(bfloat16) X(int32_t) X(int64_t)
 #ifdef COCONET_LINKS_RUNTIME
-#define COCONET_EXTERN_SHM_COLLECTIVES(T) COCONET_SHM_COLLECTIVES(T, extern)
-COCONET_EACH_DTYPE(COCONET_EXTERN_SHM_COLLECTIVES)
-#undef COCONET_EXTERN_SHM_COLLECTIVES
+#define COCONET_EXTERN_COLLECTIVES(T) COCONET_COLLECTIVES(T, extern)
+COCONET_EACH_DTYPE(COCONET_EXTERN_COLLECTIVES)
+#undef COCONET_EXTERN_COLLECTIVES
 #endif
 
 }  // namespace coconet
