@@ -126,11 +126,23 @@ class Domain:
     (oracle/inputs.py): positive: the value arguments it needs positive (sqrt's, a divisor, a
     power's base); result: NONNEG, FOLLOWS (of: the arguments it follows, None: every one),
     EITHER or UNKNOWN. An operation without one (an extern operation) is taken as defined only
-    for positive arguments: every argument it reads is drawn positive."""
+    for positive arguments: every argument it reads is drawn positive. waived: when its
+    positive arguments may take any sign after all (INTEGER_EXPONENT: a power whose exponent,
+    argument 1, is an integer literal; NONZERO_DIVISOR: a divisor written where(v == 0, c, v)
+    with a literal c != 0). square: when its result is >= 0 whatever its arguments
+    (SAME_ARGUMENTS: x * x; EVEN_EXPONENT: x ** 2)."""
 
     positive: tuple[int, ...] = ()
     result: str = UNKNOWN
     of: tuple[int, ...] | None = None
+    waived: str | None = None
+    square: str | None = None
+
+
+INTEGER_EXPONENT = "integer exponent"
+NONZERO_DIVISOR = "nonzero divisor"
+SAME_ARGUMENTS = "same arguments"
+EVEN_EXPONENT = "even exponent"
 
 
 ANY = Domain()  # defined for every value, its sign unknown
@@ -418,14 +430,15 @@ def _function2(name: str, fn: Callable[..., Any], cpp: str, domain: Domain, flop
 _fn: Callable[..., Any]  # the loops below share their variables
 for _name, _sym, _prec, _fn, _cprec, _dom in (
         ("add", "+", 1, np.add, 6, ALL_FOLLOW), ("sub", "-", 1, np.subtract, 6, ANY),
-        ("mul", "*", 2, np.multiply, 7, ALL_FOLLOW), ("div", "/", 2, ref.div, 7, Domain((1,), FOLLOWS))):
+        ("mul", "*", 2, np.multiply, 7, Domain(result=FOLLOWS, square=SAME_ARGUMENTS)),
+        ("div", "/", 2, ref.div, 7, Domain((1,), FOLLOWS, waived=NONZERO_DIVISOR))):
     _binary(_name, _sym, _prec, _fn, _cprec, _dom)
 for _name, _sym, _fn, _cprec in (("lt", "<", np.less, 5), ("le", "<=", np.less_equal, 5),
                                  ("gt", ">", np.greater, 5), ("ge", ">=", np.greater_equal, 5),
                                  ("eq", "==", np.equal, 4), ("ne", "!=", np.not_equal, 4)):
     _binary(_name, _sym, 0, _fn, _cprec, NONNEGATIVE, compare=True)
-# a power's base positive unless the exponent is an integer literal (oracle/inputs.py)
-_function2("pow", np.power, "coconet::power", Domain((0,), FOLLOWS, (0,)), 2, 2, infix=Infix("**", 4, right=True))
+_function2("pow", np.power, "coconet::power", Domain((0,), FOLLOWS, (0,), waived=INTEGER_EXPONENT, square=EVEN_EXPONENT),
+           2, 2, infix=Infix("**", 4, right=True))
 _function2("min", np.minimum, "coconet::minimum", ALL_FOLLOW)
 _function2("max", np.maximum, "coconet::maximum", Domain(result=EITHER))
 register(OpDef("neg", "pointwise", X, numpy=np.negative, prefix="-", cpp=Cpp("-{0}", 8, (8,)), domain=ANY))

@@ -70,8 +70,10 @@ def _restricted(n: Op) -> list[tuple[Expr, bool]]:
     d = _domain(n.op)
     if d is None:
         return [(a, False) for a in n.args]
-    return [(n.args[i], True) for i in d.positive
-            if not (n.op == "pow" and _integral(n.args[1])) and not (n.op == "div" and _guarded(n.args[1]))]
+    if (d.waived == ops.INTEGER_EXPONENT and _integral(n.args[1])) or (d.waived == ops.NONZERO_DIVISOR and
+                                                                      all(_guarded(n.args[i]) for i in d.positive)):
+        return []
+    return [(n.args[i], True) for i in d.positive]
 
 
 def _domain(op: str) -> ops.Domain | None:
@@ -113,7 +115,9 @@ class _Signs:
         assert isinstance(e, Op)
         d = _domain(e.op)
         result = d.result if d is not None else ops.UNKNOWN
-        if result == ops.NONNEG or (e.op == "mul" and e.args[0] == e.args[1]) or (e.op == "pow" and _even(e.args[1])):
+        square = d is not None and ((d.square == ops.SAME_ARGUMENTS and e.args[0] == e.args[1])
+                                    or (d.square == ops.EVEN_EXPONENT and _even(e.args[1])))
+        if result == ops.NONNEG or square:
             return frozenset()
         if result == ops.EITHER:  # max(a, b) >= 0 when either is
             known = [n for n in map(self.needs, e.args) if n is not None]
