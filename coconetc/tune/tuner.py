@@ -236,11 +236,11 @@ def _run_worker(ranks: int, argv: list[str], n: int, progress: bool, timeout: fl
 
 def table(record: dict[str, Any]) -> str:
     """The measured schedules, fastest first, with what they are; the modelled time only for a
-    CPU record (the cost model is the CPU backend's: on a CUDA target it does not apply)."""
+    record of a target the cost model models (Facts.modelled: the CPU backend's)."""
     meas = record["measured"]
     best = min(meas.values())
     choice = record["choice"]
-    modelled = record.get("target", "cpu") == "cpu"
+    modelled = Target(record.get("target", Target.CPU.value)).facts.modelled
     lines = [f"{'schedule':<28} {'measured':>11} {'vs best':>8} " + (f"{'modelled':>11}  " if modelled else "")
              + "notes"]
     for label in sorted(meas, key=meas.__getitem__):
