@@ -405,8 +405,8 @@ void for_each_union_piece(Shape3 shape, int R, const NodeLayout& nl, int j, F&& 
 // written in place, gathered over a group of M nodes of L ranks: across nodes among the ranks of
 // the same local rank (each then holds U_l), then within the node through the window region at
 // `at` (target g at goff[g]; with L = 1 no window), and a sync after when the region is fenced.
-COCONET_LIBRARY void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget>& gathers, size_t at,
-                        const std::vector<size_t>& goff, bool fenced) COCONET_LIBRARY_BODY({
+COCONET_LIBRARY void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget>& gathers,
+                                 size_t at, const std::vector<size_t>& goff, bool fenced) COCONET_LIBRARY_BODY({
   constexpr int kTagGather = 22;
   const NodeLayout& nl = comm.shm.layout();
   const int R = comm.size, me = comm.rank, M = nl.nodes, L = nl.per_node, k = nl.node, l = nl.local;
@@ -689,7 +689,7 @@ bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
 // the runtime library every unit links) instead of in every unit of every module: those through
 // the window instantiate the fused pieces above for their dtype, which took most of a unit's
 // compile time (a bf16 all-reduce several seconds), and the plain all-reduce, reduce-scatter and
-// all-gather that call them were a tenth of a unit's machine code at -O0. A generated unit
+// all-gather that call them were compiled again by every unit that calls one. A generated unit
 // defines COCONET_LINKS_RUNTIME; code that uses the headers alone (runtime_cpp/tests)
 // instantiates them itself.
 // (COCONET_SHARED on each instantiation too: the types half and bfloat16 are hidden, which would

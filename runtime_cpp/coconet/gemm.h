@@ -80,7 +80,7 @@ constexpr int kRowMajor = 101, kNoTrans = 111;  // CBLAS_ORDER / CBLAS_TRANSPOSE
 
 // Checks that BLAS's int dimensions can hold the sizes (the same on every rank).
 COCONET_LIBRARY void require_blas_dims(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                              int64_t ldc) COCONET_LIBRARY_BODY({
+                                       int64_t ldc) COCONET_LIBRARY_BODY({
   for (int64_t d : {M, N, K, lda, ldb, ldc})
     if (d > INT_MAX) throw std::invalid_argument("matmul: dimension " + std::to_string(d) +
                                                  " exceeds BLAS's 32-bit int");

@@ -24,10 +24,9 @@
 // per-thread scratch memory (one per allocation site anyway), values read from the environment
 // (the same in every copy), the MPI_Ops of 16-bit floats (one per copy, created once each), the
 // batch's worker threads (Workers, turns.h: only the binding runs batches, one pool per module
-// as before). The BLAS and OpenMP
-// thread pools are the shared libraries' own (OpenBLAS, libgomp: one per process). A unit is
-// never unmapped, so the state's callbacks (the BLAS hook, the Comm cache's delete callback)
-// stay valid for the process's life.
+// as before). The BLAS and OpenMP thread pools are the shared libraries' own (OpenBLAS, libgomp:
+// one per process). A unit is never unmapped, so the state's callbacks (the BLAS hook, the Comm
+// cache's delete callback) stay valid for the process's life.
 #pragma once
 
 // COCONET_SHARED: what the compiled runtime defines for every shared object of the process (the
@@ -51,9 +50,8 @@
 // COCONET_LIBRARY, COCONET_LIBRARY_BODY: the runtime's larger functions that every unit calls
 // (the Comm cache, checking an MPI call, the trace's record, a GEMM's dimension check, ...),
 // built as the state is: compiled once into the runtime library and only declared in a unit.
-// Inline in every unit, at -O0 they and the standard library's code they instantiate were about
-// 40% of a unit's machine code and 28% of its compile time (20 units measured); none is on a hot
-// path (each runs once per call, per message or per GEMM), so a call into the library costs
-// nothing measurable at -O3 either.
+// Inline, every unit compiled them again with the standard library's code they instantiate;
+// none is on a hot path (each runs once per call, per message or per GEMM), so a call into the
+// library costs nothing measurable at -O3 either.
 #define COCONET_LIBRARY COCONET_STATE
 #define COCONET_LIBRARY_BODY COCONET_STATE_BODY
