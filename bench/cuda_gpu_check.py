@@ -206,7 +206,7 @@ def measured_runs(runs: list[dict], machine: str, device: str) -> dict:
 
 
 class _Stop(BaseException):  # not caught by a run's `except Exception`
-    """SIGTERM (the session's `timeout`): stop profiling, report what was measured."""
+    """SIGTERM (the run script's `timeout`): stop profiling, report what was measured."""
 
 
 def _stop(signum, frame):

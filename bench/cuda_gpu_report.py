@@ -1,10 +1,10 @@
-"""One report of a GPU run (bench/cuda_gpu_session.sh): every step's JSON in DIR merged into
-ONE OUTDIR/gpu_session.json and ONE markdown file OUTDIR/gpu_session.md, which is also printed.
+"""One report of a GPU run (bench/cuda_gpu_run.sh): every step's JSON in DIR merged into
+ONE OUTDIR/gpu_run.json and ONE markdown file OUTDIR/gpu_run.md, which is also printed.
 
 Run: python bench/cuda_gpu_report.py DIR [--out OUTDIR]      (OUTDIR: DIR unless given)
 
 DIR holds each step's JSON, named after the step (examples.json, optimizer_f32.json, ...), and
-optionally steps.tsv (one line a step: name, exit code, seconds; the session script writes it).
+optionally steps.tsv (one line a step: name, exit code, seconds; the run script writes it).
 What each JSON is, is read from its contents:
   * bench/cuda_gpu_check.py's ("examples": rows): one "way" each (examples: as allocated, the
     vector path; misalign: the element path; symmetric: the device-API kernel; chunks: many
@@ -18,7 +18,7 @@ What each JSON is, is read from its contents:
     with "baselines" and "coconet", in seconds): per size, every variant's ms and its time over
     the best baseline (and over the memory roofline where the JSON has one).
 The order of the markdown: the steps (exit code, seconds), the examples' matches, the optimizer,
-then every other table in the order of steps.tsv (else the session's order, then by name). gpu_session.json holds the
+then every other table in the order of steps.tsv (else the run script's order, then by name). gpu_run.json holds the
 steps, the summary of matches per way and every step's JSON whole under "results" (so nothing
 needs to come back beside it). A JSON that does not parse, or that no section knows, is named
 in the report, never a reason to stop."""
@@ -39,7 +39,7 @@ WAYS = {"examples": "as allocated (vector path)", "misalign": "every tensor one 
         "symmetric": "COCONET_CUDA_FUSED=symmetric (device-API kernel)",
         "chunks": "size 37 in 5-element chunks (COCONET_CUDA_CHUNK=5)"}
 
-# without steps.tsv: the session script's order of its steps
+# without steps.tsv: the run script's order of its steps
 FALLBACK_ORDER = ["examples", "kernels", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "gpt_block_f32",
                   "gpt_block_bf16", "symmetric",
                   "misalign", "chunks", "adam_step", "adam_step_pipeline", "adam_step_symmetric"]
@@ -126,7 +126,7 @@ def read_results(d: Path, steps: list[dict]) -> tuple[dict[str, Any], dict[str, 
     results: dict[str, Any] = {}
     unread: dict[str, str] = {}
     for f in sorted(d.glob("*.json"), key=lambda f: (order.get(f.stem, len(order)), f.stem)):
-        if f.name == "gpu_session.json":
+        if f.name == "gpu_run.json":
             continue
         try:
             results[f.stem] = json.loads(f.read_text())
@@ -211,7 +211,7 @@ def _table(name: str, doc: Any, unread: dict[str, str]) -> list[str]:
 def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -> tuple[str, dict]:
     """The markdown (steps, examples, optimizer, the other tables, what was not read) and the
     summary of matches per way."""
-    lines = ["# GPU run report (bench/cuda_gpu_session.sh)"]
+    lines = ["# GPU run report (bench/cuda_gpu_run.sh)"]
     if steps:
         lines += ["\n| step | exit | seconds |", "| --- | --- | --- |"]
         lines += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in steps]
@@ -231,7 +231,7 @@ def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -
         lines += _table(name, doc, unread)
     missing = [s["step"] for s in steps if s["step"] not in results and s["step"] != "report"]
     if missing:
-        lines.append(f"\nSteps without a JSON: {', '.join(missing)} (see session.log).")
+        lines.append(f"\nSteps without a JSON: {', '.join(missing)} (see run.log).")
     for name, why in unread.items():
         lines.append(f"\n{name}.json: not in the report ({why}).")
     return "\n".join(lines) + "\n", summary
@@ -240,7 +240,7 @@ def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="the steps' JSON (and steps.tsv)")
-    ap.add_argument("--out", default=None, help="where gpu_session.json and gpu_session.md go (default: DIR)")
+    ap.add_argument("--out", default=None, help="where gpu_run.json and gpu_run.md go (default: DIR)")
     a = ap.parse_args()
     d = Path(a.dir)
     out = Path(a.out) if a.out else d
@@ -249,10 +249,10 @@ def main() -> int:
     results, unread = read_results(d, steps)
     md, summary = render(steps, results, unread)
     merged = {"steps": steps, "examples_matches": summary, "results": results, "not_read": unread}
-    (out / "gpu_session.json").write_text(json.dumps(merged, indent=1))
-    (out / "gpu_session.md").write_text(md)
+    (out / "gpu_run.json").write_text(json.dumps(merged, indent=1))
+    (out / "gpu_run.md").write_text(md)
     print(md)
-    print(f"wrote {out / 'gpu_session.json'} and {out / 'gpu_session.md'}")
+    print(f"wrote {out / 'gpu_run.json'} and {out / 'gpu_run.md'}")
     return 0
 
 

@@ -49,8 +49,8 @@ Run: python bench/cuda_optimizer.py [--sizes 20,22,24,26,28] [--tables adam_f32,
      COCONET_CUDA_EMULATE=1 python bench/cuda_optimizer.py --emulate --sizes 10,12 [--ranks 2] --json PATH
 Prints one markdown table (rank 0) and writes the JSON (bench/results/cuda_optimizer.json unless
 --json): "rows" (one per table, size and variant), "skipped", "copy_bandwidth_Bps" (per size and
-byte count), the device, torch, the communicator. bench/cuda_gpu_session.sh runs it on a GPU and
-bench/cuda_gpu_report.py folds its JSON into the session's report (its table: `markdown`)."""
+byte count), the device, torch, the communicator. bench/cuda_gpu_run.sh runs it on a GPU and
+bench/cuda_gpu_report.py folds its JSON into the run's report (its table: `markdown`)."""
 
 from __future__ import annotations
 

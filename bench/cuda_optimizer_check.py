@@ -1,6 +1,6 @@
 """coconetc.torch.DistributedOptimizer on CUDA tensors, checked against torch on one GPU (R = 1),
 the way a training script uses it: a small model, its loss's gradients, 20 steps; each check's
-largest difference is printed and written to a JSON (bench/cuda_gpu_session.sh runs it).
+largest difference is printed and written to a JSON (bench/cuda_gpu_run.sh runs it).
 
   adam.ccn, every schedule of the CUDA module, against torch.optim.Adam(fused=True)
   adamw.ccn (default, zero): clip_grad_norm_ + torch.optim.AdamW(fused=True), clipping active;

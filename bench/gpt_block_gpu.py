@@ -22,7 +22,7 @@ are checked against the first's (relative 1e-3 in f32, 2e-2 in bf16). Times: med
 
 Run: python bench/gpt_block_gpu.py [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024] [--heads 16]
      [--schedules default] [--reps 10] [--json PATH]
-bench/cuda_gpu_session.sh runs it on the lent GPU. Without a GPU, under COCONET_CUDA_EMULATE=1,
+bench/cuda_gpu_run.sh runs it on a GPU. Without a GPU, under COCONET_CUDA_EMULATE=1,
 the CUDA module runs on the host emulation with CPU tensors (a check of the script at small
 sizes: --b 1 --s 16 --h 32 --heads 2; its times mean nothing)."""
 

@@ -14,7 +14,7 @@ inside a model). The derived backward recomputes the forward values it reads (`c
 examples/tp_mlp.ccn -p tp_mlp --grad` lists them): here one matmul and the gelu.
 
 On GPUs (`--backend cuda`): CUDA tensors, one GPU a rank, against the same layer with
-torch.distributed's NCCL all-reduce (bench/cuda_gpu_session.sh runs it on one GPU).
+torch.distributed's NCCL all-reduce (bench/cuda_gpu_run.sh runs it on one GPU).
 
 Run: python bench/tp_mlp.py [--backend cpu|cuda] [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024,4096] [--ffn 4]
      [--schedules default,overlapped|all] [--grad-schedules default,overlapped|all]

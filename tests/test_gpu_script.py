@@ -160,7 +160,7 @@ def test_gpu_script_dry_run_and_report(tmp_path):
     assert adam["unmatched_units"] == [1] and au["kernel: m1, v1, mh, vh, w1"]["measured_s"] is None
     assert "no schedule 'nope'" in bad["error"]
     assert "measured / bound" in r.stdout and "NO MATCH" in r.stdout
-    # the session's report reads the step's JSON
+    # the run's report reads the step's JSON
     steps = tmp_path / "steps"
     steps.mkdir()
     (steps / "kernels.json").write_text((out / "cuda_gpu_check.json").read_text())
@@ -168,7 +168,7 @@ def test_gpu_script_dry_run_and_report(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench/cuda_gpu_report.py"), str(steps)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    md = (steps / "gpu_session.md").read_text()
+    md = (steps / "gpu_run.md").read_text()
     assert "Every kernel against its bound" in md and "not in the report" not in md
     assert f"{40e-6 / h_bound:.2f}x" in md
 
@@ -319,6 +319,6 @@ def test_report_reads_the_gpt_block_table(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench/cuda_gpu_report.py"), str(tmp_path / "steps")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    md = (tmp_path / "steps" / "gpu_session.md").read_text()
+    md = (tmp_path / "steps" / "gpu_run.md").read_text()
     assert "gpt_block forward + backward at one rank, bf16" in md and "not in the report" not in md
     assert f"| coconet gpt_block default | 3.200 | {0.004 / 0.0032:.2f} | {0.002 / 0.0032:.2f} |" in md
