@@ -226,7 +226,7 @@ def test_race_every_stream_wait_removed_is_reported(file, program, sched, size):
         waits("fused.cuh", "void pipeline(", "")
     joins = _joins_in(cu, fn)
     if joins:
-        waits("core.cuh", "inline void join(", "join(): ")
+        waits("core.cuh", "COCONET_EMU void join(", "join(): ")
         for at in joins:
             variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), ""))
     assert len(variants) >= 3, variants

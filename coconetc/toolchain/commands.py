@@ -140,7 +140,7 @@ def _blas() -> list[str]:
 
 
 def _runtime_link(library: Path) -> list[str]:
-    """Linking the runtime library (cpu_runtime; a run path to the objects cache)."""
+    """Linking a runtime library (the CPU runtime's or the emulation's; a run path to the objects cache)."""
     return [f"-L{library.parent}", f"-l:{library.name}", f"-Wl,-rpath,{library.parent}"]
 
 
@@ -298,10 +298,11 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
     """The host emulation of a CUDA module named NAME: module.cu compiled as C++ with
     -DCOCONET_EMULATE against RUNTIME (a copy of runtime_cpp/), linked with its binding
     (runtime/coconet/cuda/bind.cu, compiled the same way once per runtime: its key is
-    key_parts, which hash RUNTIME's headers). binding: (runtime, key_parts) to compile the
-    binding against instead (a copy edited only where the module's own code reads it). defines:
-    NAME=VALUE macros for the module and its binding (the runtime's compile-time switches, such
-    as COCONET_EMULATE_SYM_THREADS: a binding is compiled once for each set)."""
+    key_parts, which hash RUNTIME's headers) and its emulation library (_emulation_library).
+    binding: (runtime, key_parts) to compile the binding and the library against instead (a copy
+    edited only where the module's own code reads it). defines: NAME=VALUE macros for the module,
+    its binding and its library (the runtime's compile-time switches, such as
+    COCONET_EMULATE_SYM_THREADS: a binding and a library are compiled once for each set)."""
     def run(src: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
         blas_dir = str(Path(tc.blas_lib).parent)
@@ -312,6 +313,7 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
         bound = artifacts.cached_object(_objects_dir(), artifacts.content_key([*bind_parts, *bind_cmd, text, "bind"]),
                                         ".cu", text, _compiled(bind_cmd, "compiling the emulation's Python binding "
                                                                "(once per machine)", log))
+        library = _emulation_library(bind_rt, bind_parts, flags, log)
         build.mkdir(parents=True, exist_ok=True)
         # the installed runtime's headers precompiled (an edited copy's are not: GCC would take a
         # precompiled header found first on the path whatever the copy's headers say), and not
@@ -319,11 +321,27 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
         pch = [f"-I{emulated_header(key_parts, log)}"] if runtime == runtime_dir() and not defines else []
         compiler, *options = _emulated_flags(runtime)  # the header's folder first on the include path
         cmd = [compiler, *pch, *options, *flags, "-shared", "-x", "c++",
-               str(src / "module.cu"), "-x", "none", str(bound),
+               str(src / "module.cu"), "-x", "none", str(bound), *_runtime_link(library),
                f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                "-o", str(build / f"{name}.so")]
         _steps([("compiling (host emulation)", cmd)], src / "module.cu", log, quiet=True)
     return run
+
+
+def _emulation_library(runtime: Path, key_parts: list[str], flags: list[str], log: Log | None) -> Path:
+    """The emulation library of RUNTIME with FLAGS (coconet/cuda/emulate.cpp: the emulation's
+    functions and state, emulate_types.h's COCONET_EMU), libccnemu-<key>.so in the objects cache,
+    compiled once per runtime and set of defines, as the binding is: every emulated module links
+    it by run path, so a process holds one emulation whatever modules it loads."""
+    text = (runtime / "coconet" / "cuda" / "emulate.cpp").read_text()
+    cmd = [*_emulated_flags(runtime), *flags, "-shared", "-x", "c++"]
+    key = f"libccnemu-{artifacts.content_key([*key_parts, *cmd, *_blas(), text, 'emulate.cpp'])}"
+
+    def go(source: Path, lib: Path) -> None:
+        _steps([("compiling the host emulation (once per machine)",
+                 [*cmd, str(source), "-x", "none", *_blas(), "-o", str(lib), f"-Wl,-soname,{key}.so"])],
+               source, log, quiet=True)
+    return artifacts.cached_object(_objects_dir(), key, ".cpp", text, go, product=".so")
 
 
 def emulated_header(key_parts: list[str], log: Log | None) -> Path:
@@ -345,7 +363,9 @@ def emulated_header(key_parts: list[str], log: Log | None) -> Path:
 
 
 def _emulated_flags(runtime: Path) -> list[str]:
-    """mpicxx's options for the host emulation: -O1, then CXXFLAGS from the environment (as for
-    a CPU module's units; the tests build at -O0)."""
-    return [toolchain().mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", f"-I{runtime}",
+    """mpicxx's options for the host emulation: -O1, the headers as a module includes them (the
+    emulation's own functions declared only: COCONET_EMULATE_LINKS, emulate_types.h), then
+    CXXFLAGS from the environment (as for a CPU module's units; the tests build at -O0)."""
+    return [toolchain().mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", "-DCOCONET_EMULATE_LINKS",
+            f"-I{runtime}",
             *shlex.split(os.environ.get("CXXFLAGS", ""))]

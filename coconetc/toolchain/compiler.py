@@ -185,7 +185,8 @@ WAYS: dict[str, Way] = {
 
 # what an emulated module and its binding include of the runtime (module.cu.j2's includes, and
 # the binding's source itself): their key holds these files and what they include, no other
-EMULATED_INCLUDES = '#include "coconet/cuda/runtime.cuh"\n#include "coconet/entries.h"\n#include "coconet/cuda/bind.cu"\n'
+EMULATED_INCLUDES = ('#include "coconet/cuda/runtime.cuh"\n#include "coconet/entries.h"\n#include "coconet/cuda/bind.cu"\n'
+                     '#include "coconet/cuda/emulate.cpp"\n')
 
 
 def _emulated_parts(runtime: Path) -> list[str]:

@@ -31,7 +31,7 @@ namespace cuda {
 constexpr int kBatchTotalSite = -1;  // the scratch() site of a batch's total (the last call's)
 
 // total[0, k) folded with part[0, k) on the call's stream: added, or (extreme) their max.
-inline void fold_into(double* total, const double* part, int64_t k, bool extreme, const Ctx& c) {
+COCONET_EMU void fold_into(double* total, const double* part, int64_t k, bool extreme, const Ctx& c) {
   COCONET_ACCESS(COCONET_R(part, 0, k), COCONET_W(total, 0, k));
   if (extreme) {
     launch(k, c.stream, [=] __device__(int64_t i) { total[i] = part[i] > total[i] ? part[i] : total[i]; });
@@ -43,7 +43,7 @@ inline void fold_into(double* total, const double* part, int64_t k, bool extreme
 // Call `slot` of batch b at a reduction: its partial results acc[0, k) (device memory, on the
 // call's stream) replaced by the sum (extreme: the max) over every call of the batch, and over
 // the group's ranks when cross_rank.
-inline void combine_calls(Batch& b, int slot, double* acc, int64_t k, bool cross_rank, bool extreme, const Ctx& c) {
+COCONET_EMU void combine_calls(Batch& b, int slot, double* acc, int64_t k, bool cross_rank, bool extreme, const Ctx& c) {
   b.combine(slot, acc, k, [&](const std::vector<double*>& parts, int64_t n) {
     const size_t bytes = size_t(n) * sizeof(double);
     double* total = scratch<double>(kBatchTotalSite, n);
@@ -60,7 +60,7 @@ inline void combine_calls(Batch& b, int slot, double* acc, int64_t k, bool cross
 // The cross-rank (and, in a batch, cross-call) step of a reduction: acc[0, k) are this call's
 // partial results on its stream (sums, of squares for a norm; extreme: (max, NaN flag) pairs, a
 // min as the max of its negation); cross_rank: the reduction is over slices.
-inline void reduce_across(double* acc, int64_t k, bool cross_rank, bool extreme, const Ctx& c) {
+COCONET_EMU void reduce_across(double* acc, int64_t k, bool cross_rank, bool extreme, const Ctx& c) {
   if (Batch* b = current_batch()) {
     combine_calls(*b, batch_slot(), acc, k, cross_rank, extreme, c);
   } else if (cross_rank) {
@@ -71,7 +71,7 @@ inline void reduce_across(double* acc, int64_t k, bool cross_rank, bool extreme,
 
 // Runs f on each call's arguments as one batch (see the top of this file), each worker on the
 // calling thread's device.
-inline void run_batch(void (*f)(const CallArgs&), const std::vector<CallArgs>& calls) {
+COCONET_EMU void run_batch(void (*f)(const CallArgs&), const std::vector<CallArgs>& calls) {
   for (const CallArgs& a : calls)
     require(a.stream == calls[0].stream,
             "a batch of calls (DistributedOptimizer(across_groups=True)) runs them on one stream, in turn: "

@@ -8,7 +8,7 @@ namespace cuda {
 
 // ---- cuBLAS --------------------------------------------------------------------------------------
 
-inline cublasHandle_t blas() {
+COCONET_EMU cublasHandle_t blas() {
   static std::mutex mu;
   static std::map<int, cublasHandle_t> hs;
   std::lock_guard<std::mutex> lock(mu);
@@ -97,7 +97,7 @@ void matmul(const T* A, const T* B, T* C, int64_t batch, int64_t M, int64_t K, i
 
 // ---- cuBLASLt: a GEMM with its epilogue (plan/epilogue.py: Library.fused) ----------------------------
 
-inline cublasLtHandle_t blas_lt() {
+COCONET_EMU cublasLtHandle_t blas_lt() {
   static std::mutex mu;
   static std::map<int, cublasLtHandle_t> hs;
   std::lock_guard<std::mutex> lock(mu);
@@ -111,7 +111,7 @@ inline cublasLtHandle_t blas_lt() {
 // This device's cuBLASLt workspace (32 MiB, made on first use; one stream at a time uses it as
 // every GEMM of a call is on the call's stream).
 constexpr size_t kLtWorkspace = size_t(32) << 20;
-inline void* lt_workspace() {
+COCONET_EMU void* lt_workspace() {
   static std::mutex mu;
   static std::map<int, void*> ws;
   std::lock_guard<std::mutex> lock(mu);
@@ -124,7 +124,7 @@ inline void* lt_workspace() {
 
 // At least n zero bytes on this device, for matmul_epilogue's K = 0: made (and zeroed, the host
 // waiting) on first use and grown by doubling; a smaller one is kept, as queued work may read it.
-inline const void* lt_zeros(size_t n, cudaStream_t s) {
+COCONET_EMU const void* lt_zeros(size_t n, cudaStream_t s) {
   static std::mutex mu;
   static std::map<int, std::pair<void*, size_t>> zs;
   std::lock_guard<std::mutex> lock(mu);

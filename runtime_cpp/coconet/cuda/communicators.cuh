@@ -8,13 +8,13 @@ namespace cuda {
 
 // ---- communicators -----------------------------------------------------------------------------
 
-inline std::string unique_id() {
+COCONET_EMU std::string unique_id() {
   ncclUniqueId id;
   COCONET_CUDA(ncclGetUniqueId(&id));
   return std::string(id.internal, sizeof(id.internal));
 }
 
-inline uintptr_t comm_init(const std::string& id_bytes, int nranks, int rank) {
+COCONET_EMU uintptr_t comm_init(const std::string& id_bytes, int nranks, int rank) {
   require(id_bytes.size() == sizeof(ncclUniqueId), "an NCCL unique id is 128 bytes");
   ncclUniqueId id;
   std::memcpy(id.internal, id_bytes.data(), sizeof(id.internal));
@@ -23,7 +23,7 @@ inline uintptr_t comm_init(const std::string& id_bytes, int nranks, int rank) {
   return reinterpret_cast<uintptr_t>(comm);
 }
 
-inline void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterpret_cast<ncclComm_t>(comm))); }
+COCONET_EMU void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterpret_cast<ncclComm_t>(comm))); }
 }  // namespace cuda
 }  // namespace coconet
 
@@ -56,7 +56,7 @@ extern "C" __attribute__((visibility("default"), used)) inline int coconet_nccl_
 // make a context of its own on device 0.
 namespace coconet {
 namespace cuda {
-inline cudaError_t event_thread_device(int device) {
+COCONET_EMU cudaError_t event_thread_device(int device) {
   static thread_local int current = -1;
   if (device < 0 || current == device) return cudaSuccess;
   const cudaError_t r = cudaSetDevice(device);

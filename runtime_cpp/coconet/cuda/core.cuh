@@ -32,6 +32,9 @@
 #define COCONET_COUNT_INDEX(bits)
 // The largest index a kernel with 32-bit indices may form (pointwise.cuh: index32)
 #define COCONET_INDEX32_LIMIT() int64_t(INT32_MAX)
+// A host function of this runtime that the emulation compiles once into its library
+// (emulate_types.h): for nvcc, an ordinary inline function.
+#define COCONET_EMU inline
 #endif
 
 #include <cstdint>
@@ -56,19 +59,19 @@
 namespace coconet {
 namespace cuda {
 
-inline void check(cudaError_t e, const char* what) {
+COCONET_EMU void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("coconet (cuda): ") + what + ": " + cudaGetErrorString(e));
 }
-inline void check(ncclResult_t e, const char* what) {
+COCONET_EMU void check(ncclResult_t e, const char* what) {
   if (e != ncclSuccess) throw std::runtime_error(std::string("coconet (nccl): ") + what + ": " + ncclGetErrorString(e));
 }
-inline void check(cublasStatus_t e, const char* what) {
+COCONET_EMU void check(cublasStatus_t e, const char* what) {
   if (e != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string("coconet (cublas): ") + what + ": " + cublasGetStatusString(e));
 }
 #define COCONET_CUDA(x) ::coconet::cuda::check((x), #x)
 
-inline void require(bool ok, const std::string& msg) {
+COCONET_EMU void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
 
@@ -124,7 +127,7 @@ T per_device(std::map<int, T>& values, Make make) {
 }
 
 // This device's stream in `streams` (non-blocking, made on first use); the caller holds the lock.
-inline cudaStream_t device_stream(std::map<int, cudaStream_t>& streams, const char* name) {
+COCONET_EMU cudaStream_t device_stream(std::map<int, cudaStream_t>& streams, const char* name) {
   return per_device(streams, [name](int) {
     cudaStream_t cs;
     COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
@@ -133,7 +136,7 @@ inline cudaStream_t device_stream(std::map<int, cudaStream_t>& streams, const ch
   });
 }
 
-inline Ctx context(const CallArgs& a) {
+COCONET_EMU Ctx context(const CallArgs& a) {
   static std::mutex mu;
   static std::map<std::pair<uintptr_t, int>, ncclComm_t> splits;
   static std::map<int, cudaStream_t> comm_streams;
@@ -169,7 +172,7 @@ inline Ctx context(const CallArgs& a) {
 // Device buffers of the function's own, kept across calls (one per site; grown when needed).
 // Each call of a batch (batch.cuh) has its own, by its place in the batch (0 outside one): a
 // call paused at a reduction keeps its values there while the others run.
-inline void* scratch_bytes(int site, size_t bytes) {
+COCONET_EMU void* scratch_bytes(int site, size_t bytes) {
   static std::mutex mu;
   static std::map<std::pair<int, int>, std::pair<void*, size_t>> bufs;
   const int slot = batch_slot();
@@ -190,7 +193,7 @@ template <class T> T* scratch(int site, int64_t n) {
 }
 
 // An event per site, made once.
-inline cudaEvent_t event(int site) {
+COCONET_EMU cudaEvent_t event(int site) {
   static std::mutex mu;
   static std::map<int, cudaEvent_t> evs;
   std::lock_guard<std::mutex> lock(mu);
@@ -203,7 +206,7 @@ inline cudaEvent_t event(int site) {
   return it->second;
 }
 // `waiter` waits for what has been queued on `s` so far.
-inline void join(cudaStream_t s, cudaStream_t waiter, int site) {
+COCONET_EMU void join(cudaStream_t s, cudaStream_t waiter, int site) {
   cudaEvent_t e = event(site);
   COCONET_CUDA(cudaEventRecord(e, s));
   COCONET_CUDA(cudaStreamWaitEvent(waiter, e, 0));
@@ -212,12 +215,12 @@ inline void join(cudaStream_t s, cudaStream_t waiter, int site) {
 // mark() records what has been queued on `s` so far at `site`; wait_mark() makes `waiter` wait for
 // the last such record (a join split in two: the waiter's wait is queued later, after other work
 // of its own, and waits only for what `s` had queued at the mark).
-inline void mark(cudaStream_t s, int site) { COCONET_CUDA(cudaEventRecord(event(site), s)); }
-inline void wait_mark(int site, cudaStream_t waiter) { COCONET_CUDA(cudaStreamWaitEvent(waiter, event(site), 0)); }
+COCONET_EMU void mark(cudaStream_t s, int site) { COCONET_CUDA(cudaEventRecord(event(site), s)); }
+COCONET_EMU void wait_mark(int site, cudaStream_t waiter) { COCONET_CUDA(cudaStreamWaitEvent(waiter, event(site), 0)); }
 
 // A second compute stream (per device, made once): an overlap's fused collective runs its kernels
 // there while the call's stream computes the next block of the matmul.
-inline cudaStream_t side_stream() {
+COCONET_EMU cudaStream_t side_stream() {
   static std::mutex mu;
   static std::map<int, cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mu);
@@ -226,7 +229,7 @@ inline cudaStream_t side_stream() {
 
 // Elements per chunk of a fused collective: COCONET_CUDA_CHUNK, else `whole` when it is positive
 // (one rank: nothing to overlap, so one chunk), else 2^22.
-inline int64_t chunk_elems(int64_t whole = 0) {
+COCONET_EMU int64_t chunk_elems(int64_t whole = 0) {
   static int64_t n = [] {
     const char* s = std::getenv("COCONET_CUDA_CHUNK");
     int64_t v = s ? std::atoll(s) : 0;

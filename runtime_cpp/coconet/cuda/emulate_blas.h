@@ -5,9 +5,9 @@
 
 // ---- cuBLAS: the CPU backend's GEMM ---------------------------------------------------------------
 
-inline const char* cublasGetStatusString(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? "ok" : "not supported"; }
-inline cublasStatus_t cublasCreate(cublasHandle_t* h) { *h = new coconet::cuda::emu::Blas(); return CUBLAS_STATUS_SUCCESS; }
-inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) { h->stream = s; return CUBLAS_STATUS_SUCCESS; }
+COCONET_EMU const char* cublasGetStatusString(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? "ok" : "not supported"; }
+COCONET_EMU cublasStatus_t cublasCreate(cublasHandle_t* h) { *h = new coconet::cuda::emu::Blas(); return CUBLAS_STATUS_SUCCESS; }
+COCONET_EMU cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) { h->stream = s; return CUBLAS_STATUS_SUCCESS; }
 
 namespace coconet {
 namespace cuda {
@@ -35,7 +35,7 @@ void gemm_colmajor(cudaStream_t s, bool ta, bool tb, int m, int n, int k, const 
 }  // namespace cuda
 }  // namespace coconet
 
-inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+COCONET_EMU cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                    const void* alpha, const void* A, cudaDataType_t at, int lda, const void* B,
                                    cudaDataType_t, int ldb, const void* beta, void* C, cudaDataType_t, int ldc,
                                    cublasComputeType_t ct, cublasGemmAlgo_t) {
@@ -62,7 +62,7 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 
 // Strided-batched: batch GEMMs as cublasGemmEx's, operand i at its pointer + i * its stride (a stride
 // of 0: the same matrix for every batch), each one of cublasGemmEx's operations on the handle's stream.
-inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+COCONET_EMU cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
                                                  int n, int k, const void* alpha, const void* A, cudaDataType_t at,
                                                  int lda, long long sa, const void* B, cudaDataType_t bt, int ldb,
                                                  long long sb, const void* beta, void* C, cudaDataType_t ctp, int ldc,
@@ -91,15 +91,15 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
 // the sum of row i of op(A) over k, D not biased), computed as the CPU GEMM into D, then each
 // element once in f32: f16/bf16 round the GEMM's result to their type before the epilogue
 // (cuBLASLt keeps it in f32), so there they may differ from a GPU in the last bit.
-inline cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) { *h = new coconet::cuda::emu::Lt(); return CUBLAS_STATUS_SUCCESS; }
-inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t ct, cudaDataType_t st) {
+COCONET_EMU cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) { *h = new coconet::cuda::emu::Lt(); return CUBLAS_STATUS_SUCCESS; }
+COCONET_EMU cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t ct, cudaDataType_t st) {
   *d = new coconet::cuda::emu::LtDesc();
   (*d)->compute = ct;
   (*d)->scale = st;
   return CUBLAS_STATUS_SUCCESS;
 }
-inline cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) { delete d; return CUBLAS_STATUS_SUCCESS; }
-inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t a,
+COCONET_EMU cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) { delete d; return CUBLAS_STATUS_SUCCESS; }
+COCONET_EMU cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t a,
                                                      const void* v, size_t n) {
   switch (a) {
     case CUBLASLT_MATMUL_DESC_TRANSA:
@@ -122,13 +122,13 @@ inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cub
   }
   return CUBLAS_STATUS_SUCCESS;
 }
-inline cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType_t t, uint64_t rows,
+COCONET_EMU cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType_t t, uint64_t rows,
                                                  uint64_t cols, int64_t ld) {
   if (ld < int64_t(rows) || ld < 1) return CUBLAS_STATUS_NOT_SUPPORTED;
   *l = new coconet::cuda::emu::LtLayout{t, rows, cols, ld};
   return CUBLAS_STATUS_SUCCESS;
 }
-inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { delete l; return CUBLAS_STATUS_SUCCESS; }
+COCONET_EMU cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { delete l; return CUBLAS_STATUS_SUCCESS; }
 
 namespace coconet {
 namespace cuda {
@@ -179,7 +179,7 @@ void lt_matmul(cudaStream_t s, bool ta, bool tb, int m, int n, int k, float alph
 }  // namespace cuda
 }  // namespace coconet
 
-inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const void* alpha, const void* A,
+COCONET_EMU cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const void* alpha, const void* A,
                                      cublasLtMatrixLayout_t la, const void* B, cublasLtMatrixLayout_t lb,
                                      const void* beta, const void* C, cublasLtMatrixLayout_t lc, void* D,
                                      cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t*, void*, size_t,

@@ -5,13 +5,13 @@
 
 // ---- the CUDA runtime API ----------------------------------------------------------------------------
 
-inline const char* cudaGetErrorString(cudaError_t e) {
+COCONET_EMU const char* cudaGetErrorString(cudaError_t e) {
   return e == cudaSuccess ? "no error" : e == cudaErrorNotReady ? "device not ready" : "emulation error";
 }
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
-inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
-inline cudaError_t cudaMalloc(void** p, size_t n) {
+COCONET_EMU cudaError_t cudaGetLastError() { return cudaSuccess; }
+COCONET_EMU cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+COCONET_EMU cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+COCONET_EMU cudaError_t cudaMalloc(void** p, size_t n) {
   namespace e = coconet::cuda::emu;
   *p = std::calloc(n ? n : 1, 1);
   if (!*p) return cudaErrorUnknown;
@@ -19,31 +19,31 @@ inline cudaError_t cudaMalloc(void** p, size_t n) {
   return cudaSuccess;
 }
 template <class T> cudaError_t cudaMalloc(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
-inline cudaError_t cudaFree(void* p) {
+COCONET_EMU cudaError_t cudaFree(void* p) {
   coconet::cuda::emu::sync_all();
   coconet::cuda::emu::forget_buffer(p);
   std::free(p);
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+COCONET_EMU cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   *s = coconet::cuda::emu::make_stream("");
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+COCONET_EMU cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+COCONET_EMU cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   coconet::cuda::emu::sync_stream(coconet::cuda::emu::get(s));
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceSynchronize() {
+COCONET_EMU cudaError_t cudaDeviceSynchronize() {
   coconet::cuda::emu::sync_all();
   return cudaSuccess;
 }
-inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+COCONET_EMU cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
   *e = new coconet::cuda::emu::Event();
   return cudaSuccess;
 }
-inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
-inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
+COCONET_EMU cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+COCONET_EMU cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
   namespace m = coconet::cuda::emu;
   m::State& st = m::state();
   m::Stream* s = m::get(cs);
@@ -59,7 +59,7 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
   e->recorded = true;
   return cudaSuccess;
 }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+COCONET_EMU cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   namespace m = coconet::cuda::emu;
   if (!e->recorded) return cudaSuccess;
   m::State& st = m::state();
@@ -69,7 +69,7 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 }
 // Whether the event's stream has reached it (never waits): cudaErrorNotReady while the work queued
 // before it runs, or is blocked (an NCCL call whose peers never join).
-inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+COCONET_EMU cudaError_t cudaEventQuery(cudaEvent_t e) {
   namespace m = coconet::cuda::emu;
   if (!e->recorded) return cudaSuccess;
   m::State& st = m::state();
@@ -78,7 +78,7 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {
 }
 // As CUDA's: an event its stream has not reached yet is released once it is (the release queued
 // behind it; a stream blocked for ever keeps it).
-inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+COCONET_EMU cudaError_t cudaEventDestroy(cudaEvent_t e) {
   namespace m = coconet::cuda::emu;
   if (!e) return cudaSuccess;
   if (!e->recorded || cudaEventQuery(e) == cudaSuccess) {
@@ -89,7 +89,7 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 // Milliseconds between two events their streams have reached (the host's wall clock there).
-inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+COCONET_EMU cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   cudaEventSynchronize(start);
   cudaEventSynchronize(end);
   *ms = float((end->at.load() - start->at.load()) * 1e3);
@@ -98,7 +98,7 @@ inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_
 // The race tests' switch: COCONET_EMULATE_DROP_WAIT=FILE:LINE (a header's name and a line of
 // it) makes the cudaStreamWaitEvent written there do nothing, as if the line were removed, so
 // that one build shows what each missing wait does (the race detector must name the buffer).
-inline bool coconet_emulate_dropped_wait(const char* file, int line) {
+COCONET_EMU bool coconet_emulate_dropped_wait(const char* file, int line) {
   static const std::string drop = [] {
     const char* e = std::getenv("COCONET_EMULATE_DROP_WAIT");
     return std::string(e ? e : "");
@@ -107,7 +107,7 @@ inline bool coconet_emulate_dropped_wait(const char* file, int line) {
   const char* base = std::strrchr(file, '/');
   return drop == std::string(base ? base + 1 : file) + ":" + std::to_string(line);
 }
-inline cudaError_t coconet_emulate_wait_event(const char* file, int line, cudaStream_t cs, cudaEvent_t e,
+COCONET_EMU cudaError_t coconet_emulate_wait_event(const char* file, int line, cudaStream_t cs, cudaEvent_t e,
                                               unsigned = 0) {
   namespace m = coconet::cuda::emu;
   m::State& st = m::state();
@@ -127,18 +127,18 @@ inline cudaError_t coconet_emulate_wait_event(const char* file, int line, cudaSt
   return cudaSuccess;
 }
 #define cudaStreamWaitEvent(...) coconet_emulate_wait_event(__FILE__, __LINE__, __VA_ARGS__)
-inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t s = nullptr) {
+COCONET_EMU cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t s = nullptr) {
   namespace m = coconet::cuda::emu;
   if (n == 0) return cudaSuccess;
   m::op(s, {m::bytes(src, n, false), m::bytes(dst, n, true)}, "cudaMemcpyAsync",
         [dst, src, n] { std::memmove(dst, src, n); });
   return cudaSuccess;
 }
-inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
+COCONET_EMU cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
   cudaMemcpyAsync(dst, src, n, k, nullptr);
   return cudaStreamSynchronize(nullptr);
 }
-inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+COCONET_EMU cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                                      size_t height, cudaMemcpyKind, cudaStream_t s = nullptr) {
   namespace m = coconet::cuda::emu;
   if (width == 0 || height == 0) return cudaSuccess;
@@ -151,13 +151,13 @@ inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, 
   });
   return cudaSuccess;
 }
-inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s = nullptr) {
+COCONET_EMU cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s = nullptr) {
   namespace m = coconet::cuda::emu;
   if (n == 0) return cudaSuccess;
   m::op(s, {m::bytes(p, n, true)}, "cudaMemsetAsync", [=] { std::memset(p, v, n); });
   return cudaSuccess;
 }
-inline cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int v, size_t width, size_t height, cudaStream_t s = nullptr) {
+COCONET_EMU cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int v, size_t width, size_t height, cudaStream_t s = nullptr) {
   namespace m = coconet::cuda::emu;
   if (width == 0 || height == 0) return cudaSuccess;
   std::vector<m::Span> spans;
@@ -168,7 +168,7 @@ inline cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int v, size_t width,
   return cudaSuccess;
 }
 
-inline void __syncthreads() {
+COCONET_EMU void __syncthreads() {
   namespace m = coconet::cuda::emu;
   m::BlockRun* b = m::block_run;
   if (!b || b->direct || !b->cur)

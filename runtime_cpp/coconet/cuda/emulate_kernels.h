@@ -38,7 +38,7 @@ struct Fiber {
   unsigned tid = 0;
 };
 constexpr size_t kFiberStack = 256 * 1024;
-inline std::vector<std::unique_ptr<Fiber>>& fiber_pool() {  // per stream thread, kept across launches
+COCONET_EMU std::vector<std::unique_ptr<Fiber>>& fiber_pool() {  // per stream thread, kept across launches
   static thread_local std::vector<std::unique_ptr<Fiber>> pool;
   return pool;
 }
@@ -54,16 +54,16 @@ struct BlockRun {
   bool direct = false;
   std::string error;
 };
-inline thread_local BlockRun* block_run = nullptr;
+COCONET_EMU_VAR(thread_local BlockRun* block_run, = nullptr)
 
-inline void set_thread(unsigned t) {
+COCONET_EMU void set_thread(unsigned t) {
   threadIdx.x = t % blockDim.x;
   threadIdx.y = (t / blockDim.x) % blockDim.y;
   threadIdx.z = t / (blockDim.x * blockDim.y);
 }
 
 // back to the block's scheduler (a barrier, or the thread's end)
-inline void yield_fiber(BlockRun* b, Fiber* f) {
+COCONET_EMU void yield_fiber(BlockRun* b, Fiber* f) {
 #ifdef COCONET_EMU_FAST_SWITCH
   coconet_emu_switch(&f->sp, b->sched);
 #else
@@ -71,7 +71,7 @@ inline void yield_fiber(BlockRun* b, Fiber* f) {
 #endif
 }
 
-inline void fiber_entry() {
+COCONET_EMU void fiber_entry() {
   BlockRun* b = block_run;
   try {
     (*b->body)();
@@ -85,7 +85,7 @@ inline void fiber_entry() {
 #endif
 }
 
-inline void resume(BlockRun& b, Fiber* f) {
+COCONET_EMU void resume(BlockRun& b, Fiber* f) {
   b.cur = f;
   set_thread(f->tid);
 #ifdef COCONET_EMU_FAST_SWITCH
@@ -96,7 +96,7 @@ inline void resume(BlockRun& b, Fiber* f) {
   b.cur = nullptr;
 }
 
-inline void start(BlockRun& b, Fiber* f, unsigned tid) {
+COCONET_EMU void start(BlockRun& b, Fiber* f, unsigned tid) {
   if (!f->stack) f->stack.reset(new char[kFiberStack]);
   f->done = false;
   f->tid = tid;
@@ -119,7 +119,7 @@ inline void start(BlockRun& b, Fiber* f, unsigned tid) {
   resume(b, f);
 }
 
-inline void run_block(BlockRun& b, unsigned nthreads) {
+COCONET_EMU void run_block(BlockRun& b, unsigned nthreads) {
   if (b.fibers.empty()) b.fibers.emplace_back(new Fiber());
   start(b, b.fibers[0].get(), 0);
   if (b.fibers[0]->done) {  // no barrier in this block: the other threads as plain calls
@@ -142,7 +142,7 @@ inline void run_block(BlockRun& b, unsigned nthreads) {
   }
 }
 
-inline void launch(dim3 grid, dim3 block, cudaStream_t cs, std::function<void()> body) {
+COCONET_EMU void launch(dim3 grid, dim3 block, cudaStream_t cs, std::function<void()> body) {
   State& st = state();
   std::vector<Span> spans;
   {
@@ -170,7 +170,7 @@ inline void launch(dim3 grid, dim3 block, cudaStream_t cs, std::function<void()>
   });
 }
 
-inline void declare(std::vector<Span> spans) {
+COCONET_EMU void declare(std::vector<Span> spans) {
   State& st = state();
   std::lock_guard<std::recursive_mutex> d(st.det);
   st.pending = std::move(spans);

@@ -21,11 +21,11 @@ template <class T> Span W(const T* p, int64_t lo, int64_t hi) {
   return Span{uintptr_t(p + lo), uintptr_t(p + (hi > lo ? hi : lo)), true, false};
 }
 template <class T> Span RA(const T* p) { return Span{uintptr_t(p), uintptr_t(p) + 1, false, true}; }
-inline Span bytes(const void* p, size_t n, bool write) {
+COCONET_EMU Span bytes(const void* p, size_t n, bool write) {
   return Span{uintptr_t(p), uintptr_t(p) + n, write, false};
 }
 // rows x cols elements of `el` bytes, `ld` elements apart
-inline void strided(std::vector<Span>& out, const void* p, int64_t rows, int64_t cols, int64_t ld, size_t el,
+COCONET_EMU void strided(std::vector<Span>& out, const void* p, int64_t rows, int64_t cols, int64_t ld, size_t el,
                     bool write) {
   if (rows <= 0 || cols <= 0) return;
   if (ld == cols || rows == 1) {
@@ -36,8 +36,8 @@ inline void strided(std::vector<Span>& out, const void* p, int64_t rows, int64_t
 }
 
 using Clock = std::vector<uint64_t>;
-inline uint64_t at(const Clock& c, int s) { return size_t(s) < c.size() ? c[size_t(s)] : 0; }
-inline void merge(Clock& a, const Clock& b) {
+COCONET_EMU uint64_t at(const Clock& c, int s) { return size_t(s) < c.size() ? c[size_t(s)] : 0; }
+COCONET_EMU void merge(Clock& a, const Clock& b) {
   if (a.size() < b.size()) a.resize(b.size(), 0);
   for (size_t k = 0; k < b.size(); ++k) a[k] = std::max(a[k], b[k]);
 }
@@ -96,12 +96,12 @@ struct State {
   bool pending_set = false;
   int allocs = 0;
 };
-inline State& state() {
+COCONET_EMU State& state() {
   static State* s = new State();  // never destroyed: worker threads may outlive static teardown
   return *s;
 }
 
-inline void worker_loop(Stream* s) {
+COCONET_EMU void worker_loop(Stream* s) {
   State& st = state();
   for (;;) {
     Task t;
@@ -126,7 +126,7 @@ inline void worker_loop(Stream* s) {
   }
 }
 
-inline Stream* make_stream(const std::string& name) {
+COCONET_EMU Stream* make_stream(const std::string& name) {
   State& st = state();
   Stream* s = new Stream();
   {
@@ -141,19 +141,19 @@ inline Stream* make_stream(const std::string& name) {
   s->worker.detach();
   return s;
 }
-inline Stream* get(cudaStream_t s) {
+COCONET_EMU Stream* get(cudaStream_t s) {
   static Stream* legacy = make_stream("the call's stream (default stream)");
   return s ? s : legacy;
 }
 
-inline void name_stream(cudaStream_t s, const std::string& name) {
+COCONET_EMU void name_stream(cudaStream_t s, const std::string& name) {
   State& st = state();
   Stream* x = get(s);
   std::lock_guard<std::mutex> lock(st.mu);
   x->name = name + " (stream #" + std::to_string(x->id) + ")";
 }
 
-inline std::string describe_stream(int id) {
+COCONET_EMU std::string describe_stream(int id) {
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   return size_t(id) < st.streams.size() ? st.streams[size_t(id)]->name : "stream #" + std::to_string(id);
@@ -161,7 +161,7 @@ inline std::string describe_stream(int id) {
 
 // A buffer the generated code knows by name (parameters, outputs, scratch): accesses inside it
 // are checked. Registering a range drops what was registered over it before.
-inline void name_buffer(const void* p, size_t n, const std::string& name) {
+COCONET_EMU void name_buffer(const void* p, size_t n, const std::string& name) {
   State& st = state();
   std::lock_guard<std::recursive_mutex> d(st.det);
   uintptr_t lo = uintptr_t(p), hi = lo + (n ? n : 1);
@@ -176,19 +176,19 @@ inline void name_buffer(const void* p, size_t n, const std::string& name) {
   }
   st.regions[lo] = Region{hi, name, {}};
 }
-inline void access(Stream* s, std::vector<Span> spans, const std::string& what);
+COCONET_EMU void access(Stream* s, std::vector<Span> spans, const std::string& what);
 // A parameter or output of the call: named, and written on the call's stream before the call
 // (what the caller queued there produced it), so the call's other streams must wait for it.
-inline void caller_buffer(const void* p, size_t n, const std::string& name, cudaStream_t s) {
+COCONET_EMU void caller_buffer(const void* p, size_t n, const std::string& name, cudaStream_t s) {
   name_buffer(p, n, name);
   access(get(s), {bytes(p, n ? n : 1, true)}, "the caller's work before the call");
 }
-inline void forget_buffer(const void* p) {
+COCONET_EMU void forget_buffer(const void* p) {
   State& st = state();
   std::lock_guard<std::recursive_mutex> d(st.det);
   st.regions.erase(uintptr_t(p));
 }
-inline Region* region_of(uintptr_t a) {
+COCONET_EMU Region* region_of(uintptr_t a) {
   State& st = state();
   auto it = st.regions.upper_bound(a);
   if (it == st.regions.begin()) return nullptr;
@@ -198,7 +198,7 @@ inline Region* region_of(uintptr_t a) {
 
 // One operation queued on s: advance s's clock and check its accesses against every unordered
 // access of another stream; throws RaceError naming the buffer and both streams.
-inline void access(Stream* s, std::vector<Span> spans, const std::string& what) {
+COCONET_EMU void access(Stream* s, std::vector<Span> spans, const std::string& what) {
   State& st = state();
   std::lock_guard<std::recursive_mutex> d(st.det);
   merge(s->clock, st.host);
@@ -236,7 +236,7 @@ inline void access(Stream* s, std::vector<Span> spans, const std::string& what) 
 
 // The end of a call on stream s: everything the call did on other streams must be ordered
 // before it (the caller may use every buffer on s right after).
-inline void call_end(cudaStream_t cs) {
+COCONET_EMU void call_end(cudaStream_t cs) {
   State& st = state();
   Stream* s = get(cs);
   std::lock_guard<std::recursive_mutex> d(st.det);
@@ -252,7 +252,7 @@ inline void call_end(cudaStream_t cs) {
       }
 }
 
-inline void enqueue(Stream* s, std::function<void()> fn) {
+COCONET_EMU void enqueue(Stream* s, std::function<void()> fn) {
   State& st = state();
   {
     std::lock_guard<std::mutex> lock(st.mu);
@@ -262,13 +262,13 @@ inline void enqueue(Stream* s, std::function<void()> fn) {
   st.cv.notify_all();
 }
 
-inline void op(cudaStream_t cs, std::vector<Span> spans, const std::string& what, std::function<void()> fn) {
+COCONET_EMU void op(cudaStream_t cs, std::vector<Span> spans, const std::string& what, std::function<void()> fn) {
   Stream* s = get(cs);
   access(s, std::move(spans), what);
   enqueue(s, std::move(fn));
 }
 
-inline void sync_stream(Stream* s) {
+COCONET_EMU void sync_stream(Stream* s) {
   State& st = state();
   std::string err;
   {
@@ -284,7 +284,7 @@ inline void sync_stream(Stream* s) {
   if (!err.empty()) throw std::runtime_error("coconet emulate: " + s->name + ": " + err);
 }
 
-inline void sync_all() {
+COCONET_EMU void sync_all() {
   State& st = state();
   get(nullptr);
   std::vector<Stream*> all;

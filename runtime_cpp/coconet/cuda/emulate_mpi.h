@@ -9,7 +9,7 @@ namespace emu {
 
 // ---- MPI -------------------------------------------------------------------------------------------
 
-inline bool mpi_init() {
+COCONET_EMU bool mpi_init() {
   int ok = 0;
   MPI_Initialized(&ok);
   if (!ok) {
@@ -18,9 +18,9 @@ inline bool mpi_init() {
   }
   return true;
 }
-inline const bool mpi_ready = mpi_init();  // MPI is up when the module loads
+COCONET_EMU_VAR(const bool mpi_ready, = mpi_init())  // MPI is up when the module loads
 
-inline void mpi_check(int rc, const char* what) {
+COCONET_EMU void mpi_check(int rc, const char* what) {
   if (rc != MPI_SUCCESS) {
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
@@ -38,11 +38,11 @@ struct Comm {
 };
 
 // The (MPI_COMM_WORLD) rank a fault-injection variable names, -1 for none; and whether it is this one.
-inline int injected_rank(const char* env) {
+COCONET_EMU int injected_rank(const char* env) {
   const char* e = std::getenv(env);
   return e && *e ? std::atoi(e) : -1;
 }
-inline bool is_this_world_rank(int r) {
+COCONET_EMU bool is_this_world_rank(int r) {
   int me = 0;
   if (r >= 0) MPI_Comm_rank(MPI_COMM_WORLD, &me);
   return r >= 0 && me == r;
@@ -51,7 +51,7 @@ inline bool is_this_world_rank(int r) {
 // COCONET_EMULATE_NCCL_FAIL_RANK=r: every NCCL call of (MPI_COMM_WORLD) rank r fails before it
 // communicates, as an NCCL error would (the peers then wait for it until the communicator is
 // aborted): for testing the abort path (tests/test_torch_optimizer_cuda.py).
-inline void injected_failure(const char* call) {
+COCONET_EMU void injected_failure(const char* call) {
   static const int fail = injected_rank("COCONET_EMULATE_NCCL_FAIL_RANK");
   if (is_this_world_rank(fail))
     throw std::runtime_error(std::string(call) + ": unhandled system error (injected by COCONET_EMULATE_NCCL_FAIL_RANK)");
@@ -61,7 +61,7 @@ inline void injected_failure(const char* call) {
 // leave their communicator with an asynchronous error (ncclCommGetAsyncError: ncclRemoteError),
 // as a connection that breaks after a collective went out would on a GPU, where the call has
 // long returned: for testing the watchdog that polls for it (coconetc/runtime/cuda.py).
-inline void injected_async_failure(Comm* comm) {
+COCONET_EMU void injected_async_failure(Comm* comm) {
   static const int fail = injected_rank("COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK");
   if (is_this_world_rank(fail)) comm->async_error.store(int(ncclRemoteError));
 }
@@ -72,7 +72,7 @@ inline void injected_async_failure(Comm* comm) {
 // rank stuck or gone) would: the work queued behind it never completes, cudaEventQuery reports it
 // not ready, and ncclCommAbort ends it. For testing the watchdog that times each call's work with
 // a CUDA event (coconetc/runtime/cuda.py).
-inline void injected_hang(Comm* comm, const char* call) {
+COCONET_EMU void injected_hang(Comm* comm, const char* call) {
   static const int hang = injected_rank("COCONET_EMULATE_NCCL_HANG_RANK");
   static const long after = [] {
     const char* e = std::getenv("COCONET_EMULATE_NCCL_HANG_RANK");
@@ -86,7 +86,7 @@ inline void injected_hang(Comm* comm, const char* call) {
                            "(injected by COCONET_EMULATE_NCCL_HANG_RANK)");
 }
 
-inline size_t type_size(ncclDataType_t t) {
+COCONET_EMU size_t type_size(ncclDataType_t t) {
   switch (t) {
     case ncclInt8: case ncclUint8: return 1;
     case ncclFloat16: case ncclBfloat16: return 2;
@@ -116,7 +116,7 @@ MPI_Op make_op(int op) {
   }
   return o;
 }
-inline MPI_Datatype builtin_type(ncclDataType_t t) {
+COCONET_EMU MPI_Datatype builtin_type(ncclDataType_t t) {
   switch (t) {
     case ncclFloat32: return MPI_FLOAT;
     case ncclFloat64: return MPI_DOUBLE;
@@ -125,7 +125,7 @@ inline MPI_Datatype builtin_type(ncclDataType_t t) {
     default: return MPI_DATATYPE_NULL;  // f16/bf16: bytes with user operations
   }
 }
-inline MPI_Datatype mpi_type(ncclDataType_t t) {
+COCONET_EMU MPI_Datatype mpi_type(ncclDataType_t t) {
   if (builtin_type(t) != MPI_DATATYPE_NULL) return builtin_type(t);
   static std::mutex mu;
   static std::map<size_t, MPI_Datatype> types;
@@ -139,7 +139,7 @@ inline MPI_Datatype mpi_type(ncclDataType_t t) {
   }
   return it->second;
 }
-inline MPI_Op mpi_op(ncclDataType_t t, ncclRedOp_t op) {
+COCONET_EMU MPI_Op mpi_op(ncclDataType_t t, ncclRedOp_t op) {
   if (builtin_type(t) != MPI_DATATYPE_NULL)  // MPI's own reductions (ncclAvg: a sum, divided after)
     return op == ncclProd ? MPI_PROD : op == ncclMax ? MPI_MAX : op == ncclMin ? MPI_MIN : MPI_SUM;
   static std::mutex mu;
@@ -166,7 +166,7 @@ void divide(void* p, size_t n, int by) {
   T* x = static_cast<T*>(p);
   for (size_t i = 0; i < n; ++i) x[i] = from_compute<T>(to_compute(x[i]) / static_cast<compute_t<T>>(by));
 }
-inline void average(ncclDataType_t t, void* p, size_t n, int by) {
+COCONET_EMU void average(ncclDataType_t t, void* p, size_t n, int by) {
   switch (t) {
     case ncclFloat16: divide<half>(p, n, by); break;
     case ncclBfloat16: divide<bfloat16>(p, n, by); break;
@@ -191,13 +191,13 @@ struct Call {
   std::vector<char> a, b;
 };
 
-inline const char* call_name(Call::Kind k) {
+COCONET_EMU const char* call_name(Call::Kind k) {
   static const char* names[] = {"ncclAllReduce", "ncclReduce", "ncclBroadcast", "ncclAllGather",
                                 "ncclReduceScatter", "ncclSend", "ncclRecv"};
   return names[k];
 }
 
-inline void spans_of(const Call& c, std::vector<Span>& out) {
+COCONET_EMU void spans_of(const Call& c, std::vector<Span>& out) {
   const size_t el = type_size(c.type), n = c.count * el, R = size_t(c.comm->size);
   switch (c.kind) {
     case Call::AllReduce: out.push_back(bytes(c.send, n, false)); out.push_back(bytes(c.recv, n, true)); break;
@@ -216,7 +216,7 @@ inline void spans_of(const Call& c, std::vector<Span>& out) {
   }
 }
 
-inline void run_calls(std::vector<Call>& calls) {
+COCONET_EMU void run_calls(std::vector<Call>& calls) {
   std::vector<MPI_Request> reqs;
   if (!calls.empty()) injected_failure(call_name(calls[0].kind));
   if (!calls.empty()) injected_hang(calls[0].comm, call_name(calls[0].kind));
@@ -288,9 +288,9 @@ struct GroupState {
   std::vector<Call> calls;
   cudaStream_t stream = nullptr;
 };
-inline thread_local GroupState group;
+COCONET_EMU_VAR(thread_local GroupState group, )
 
-inline void submit(std::vector<Call> calls, cudaStream_t cs) {
+COCONET_EMU void submit(std::vector<Call> calls, cudaStream_t cs) {
   if (calls.empty()) return;
   std::vector<Span> spans;
   std::string what;
@@ -325,7 +325,7 @@ inline void submit(std::vector<Call> calls, cudaStream_t cs) {
   });
 }
 
-inline ncclResult_t nccl(Call c, cudaStream_t s) {
+COCONET_EMU ncclResult_t nccl(Call c, cudaStream_t s) {
   if (!c.comm) return ncclInvalidArgument;
   if (group.depth > 0) {
     if (!group.calls.empty() && group.stream != s) throw std::runtime_error("coconet emulate: one NCCL group on several streams");

@@ -5,20 +5,20 @@
 
 // ---- NCCL ------------------------------------------------------------------------------------------
 
-inline const char* ncclGetErrorString(ncclResult_t r) {
+COCONET_EMU const char* ncclGetErrorString(ncclResult_t r) {
   if (r == ncclRemoteError) return "remote process exited or there was a network error";  // NCCL's words
   return r == ncclSuccess ? "no error" : "emulation error";
 }
-inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* r) {
+COCONET_EMU ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* r) {
   *r = ncclResult_t(comm->async_error.load());
   return ncclSuccess;
 }
-inline ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+COCONET_EMU ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   std::memset(id->internal, 0, sizeof(id->internal));
   std::strcpy(id->internal, "coconet host emulation");
   return ncclSuccess;
 }
-inline ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId, int rank) {
+COCONET_EMU ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId, int rank) {
   namespace m = coconet::cuda::emu;
   int provided = 0, wsize = 1;
   MPI_Query_thread(&provided);
@@ -39,7 +39,7 @@ inline ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId,
   *comm = c;
   return ncclSuccess;
 }
-inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out, void*) {
+COCONET_EMU ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out, void*) {
   namespace m = coconet::cuda::emu;
   coconet::cuda::emu::sync_all();
   auto* c = new m::Comm();
@@ -49,23 +49,23 @@ inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
   *out = c;
   return ncclSuccess;
 }
-inline ncclResult_t ncclCommAbort(ncclComm_t comm) {  // no wait for the calls in flight: they fail
+COCONET_EMU ncclResult_t ncclCommAbort(ncclComm_t comm) {  // no wait for the calls in flight: they fail
   if (comm) comm->aborted.store(true);
   return ncclSuccess;
 }
-inline ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+COCONET_EMU ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   coconet::cuda::emu::sync_all();
   MPI_Comm_free(&comm->mpi);
   delete comm;
   return ncclSuccess;
 }
-inline ncclResult_t ncclCommCount(ncclComm_t c, int* n) { *n = c->size; return ncclSuccess; }
-inline ncclResult_t ncclCommUserRank(ncclComm_t c, int* r) { *r = c->rank; return ncclSuccess; }
-inline ncclResult_t ncclGroupStart() {
+COCONET_EMU ncclResult_t ncclCommCount(ncclComm_t c, int* n) { *n = c->size; return ncclSuccess; }
+COCONET_EMU ncclResult_t ncclCommUserRank(ncclComm_t c, int* r) { *r = c->rank; return ncclSuccess; }
+COCONET_EMU ncclResult_t ncclGroupStart() {
   coconet::cuda::emu::group.depth += 1;
   return ncclSuccess;
 }
-inline ncclResult_t ncclGroupEnd() {
+COCONET_EMU ncclResult_t ncclGroupEnd() {
   namespace m = coconet::cuda::emu;
   if (--m::group.depth == 0) {
     std::vector<m::Call> calls;
@@ -74,28 +74,28 @@ inline ncclResult_t ncclGroupEnd() {
   }
   return ncclSuccess;
 }
-inline ncclResult_t ncclAllReduce(const void* s, void* r, size_t n, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
+COCONET_EMU ncclResult_t ncclAllReduce(const void* s, void* r, size_t n, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
                                   cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::AllReduce, s, r, n, t, op, 0, c, {}, {}}, st);
 }
-inline ncclResult_t ncclReduce(const void* s, void* r, size_t n, ncclDataType_t t, ncclRedOp_t op, int root,
+COCONET_EMU ncclResult_t ncclReduce(const void* s, void* r, size_t n, ncclDataType_t t, ncclRedOp_t op, int root,
                                ncclComm_t c, cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::Reduce, s, r, n, t, op, root, c, {}, {}}, st);
 }
-inline ncclResult_t ncclBroadcast(const void* s, void* r, size_t n, ncclDataType_t t, int root, ncclComm_t c,
+COCONET_EMU ncclResult_t ncclBroadcast(const void* s, void* r, size_t n, ncclDataType_t t, int root, ncclComm_t c,
                                   cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::Broadcast, s, r, n, t, ncclSum, root, c, {}, {}}, st);
 }
-inline ncclResult_t ncclAllGather(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t c, cudaStream_t st) {
+COCONET_EMU ncclResult_t ncclAllGather(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t c, cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::AllGather, s, r, n, t, ncclSum, 0, c, {}, {}}, st);
 }
-inline ncclResult_t ncclReduceScatter(const void* s, void* r, size_t n, ncclDataType_t t, ncclRedOp_t op,
+COCONET_EMU ncclResult_t ncclReduceScatter(const void* s, void* r, size_t n, ncclDataType_t t, ncclRedOp_t op,
                                       ncclComm_t c, cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::ReduceScatter, s, r, n, t, op, 0, c, {}, {}}, st);
 }
-inline ncclResult_t ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t st) {
+COCONET_EMU ncclResult_t ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::Send, s, nullptr, n, t, ncclSum, peer, c, {}, {}}, st);
 }
-inline ncclResult_t ncclRecv(void* r, size_t n, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t st) {
+COCONET_EMU ncclResult_t ncclRecv(void* r, size_t n, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t st) {
   return coconet::cuda::emu::nccl({coconet::cuda::emu::Call::Recv, nullptr, r, n, t, ncclSum, peer, c, {}, {}}, st);
 }

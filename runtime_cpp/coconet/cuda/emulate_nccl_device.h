@@ -91,18 +91,18 @@ namespace cuda {
 namespace emu {
 
 // A kernel's declared accesses, extended (symmetric.cuh adds the window's spans to the renderer's).
-inline void declare_also(std::vector<Span> spans) {
+COCONET_EMU void declare_also(std::vector<Span> spans) {
   State& st = state();
   std::lock_guard<std::recursive_mutex> d(st.det);
   st.pending.insert(st.pending.end(), spans.begin(), spans.end());
   st.pending_set = true;
 }
 
-inline std::string shm_name(const char* what) {
+COCONET_EMU std::string shm_name(const char* what) {
   static std::atomic<int> counter{0};
   return "/coconet-" + std::to_string(getpid()) + "-" + what + "-" + std::to_string(counter++);
 }
-inline char* shm_map(const std::string& name, size_t n, bool create) {
+COCONET_EMU char* shm_map(const std::string& name, size_t n, bool create) {
   const int fd = shm_open(name.c_str(), create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error("coconet emulate: shm_open " + name + " failed");
   if (create && ftruncate(fd, off_t(n)) != 0) {
@@ -122,22 +122,22 @@ struct ShmAlloc {
   size_t size;
   bool linked;
 };
-inline std::map<uintptr_t, ShmAlloc>& shm_allocs() {
+COCONET_EMU std::map<uintptr_t, ShmAlloc>& shm_allocs() {
   static auto* m = new std::map<uintptr_t, ShmAlloc>();
   return *m;
 }
-inline std::mutex& shm_mutex() {
+COCONET_EMU std::mutex& shm_mutex() {
   static std::mutex mu;
   return mu;
 }
-inline void shm_unlink_all() {  // at exit: names not yet unlinked (never registered)
+COCONET_EMU void shm_unlink_all() {  // at exit: names not yet unlinked (never registered)
   std::lock_guard<std::mutex> lock(shm_mutex());
   for (auto& kv : shm_allocs())
     if (kv.second.linked) shm_unlink(kv.second.name.c_str());
 }
 
 // The LSA team of a communicator: the ranks of its node, or teams of COCONET_EMULATE_LSA_SIZE.
-inline ncclTeam lsa_team(Comm* c) {
+COCONET_EMU ncclTeam lsa_team(Comm* c) {
   int lsa = c->size;
   const char* sim = std::getenv("COCONET_SIMULATE_NODES");  // as comm.h's node_comm: K nodes
   if (const char* s = std::getenv("COCONET_EMULATE_LSA_SIZE")) {
@@ -187,11 +187,11 @@ struct LsaBarriers {
 }  // namespace cuda
 }  // namespace coconet
 
-inline ncclTeam_t ncclTeamLsa(ncclComm_t comm) { return coconet::cuda::emu::lsa_team(comm); }
-inline const char* ncclGetLastError(ncclComm_t) { return "the emulated communicator has no device API"; }
-inline ncclTeam ncclTeamLsa(const ncclDevComm& d) { return ncclTeam{d.lsaSize, d.lsaRank, 1}; }
+COCONET_EMU ncclTeam_t ncclTeamLsa(ncclComm_t comm) { return coconet::cuda::emu::lsa_team(comm); }
+COCONET_EMU const char* ncclGetLastError(ncclComm_t) { return "the emulated communicator has no device API"; }
+COCONET_EMU ncclTeam ncclTeamLsa(const ncclDevComm& d) { return ncclTeam{d.lsaSize, d.lsaRank, 1}; }
 
-inline ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t* props) {
+COCONET_EMU ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t* props) {
   namespace m = coconet::cuda::emu;
   m::sync_all();  // MPI on the communicator's own MPI_Comm: nothing of it may be in flight
   const char* off = std::getenv("COCONET_EMULATE_NO_DEVICE_API");
@@ -203,7 +203,7 @@ inline ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_
   return ncclSuccess;
 }
 
-inline ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
+COCONET_EMU ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
   namespace m = coconet::cuda::emu;
   static const bool at_exit = [] { return std::atexit(m::shm_unlink_all) == 0; }();
   (void)at_exit;
@@ -214,7 +214,7 @@ inline ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
   *ptr = p;
   return ncclSuccess;
 }
-inline ncclResult_t ncclMemFree(void* ptr) {
+COCONET_EMU ncclResult_t ncclMemFree(void* ptr) {
   namespace m = coconet::cuda::emu;
   m::sync_all();
   m::forget_buffer(ptr);
@@ -228,7 +228,7 @@ inline ncclResult_t ncclMemFree(void* ptr) {
 }
 
 // Collective: every rank's buffer mapped into every rank (peers[p]).
-inline ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int) {
+COCONET_EMU ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int) {
   namespace m = coconet::cuda::emu;
   m::sync_all();
   struct Entry {
@@ -275,7 +275,7 @@ inline ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t s
   *win = w;
   return ncclSuccess;
 }
-inline ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
+COCONET_EMU ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
   namespace m = coconet::cuda::emu;
   m::sync_all();
   m::mpi_check(MPI_Barrier(comm->mpi), "MPI_Barrier");  // no peer reads this window any more
@@ -286,7 +286,7 @@ inline ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) 
 }
 
 // Collective: the LSA barrier slots in shared memory (made by rank 0, mapped by every rank).
-inline ncclResult_t ncclDevCommCreate(ncclComm_t comm, const ncclDevCommRequirements_t* reqs, ncclDevComm* dev) {
+COCONET_EMU ncclResult_t ncclDevCommCreate(ncclComm_t comm, const ncclDevCommRequirements_t* reqs, ncclDevComm* dev) {
   namespace m = coconet::cuda::emu;
   m::sync_all();
   const char* off = std::getenv("COCONET_EMULATE_NO_DEVICE_API");
@@ -319,7 +319,7 @@ inline ncclResult_t ncclDevCommCreate(ncclComm_t comm, const ncclDevCommRequirem
   dev->lsaBarrier = ncclLsaBarrierHandle{b, b->n};
   return ncclSuccess;
 }
-inline ncclResult_t ncclDevCommDestroy(ncclComm_t, const ncclDevComm* dev) {
+COCONET_EMU ncclResult_t ncclDevCommDestroy(ncclComm_t, const ncclDevComm* dev) {
   coconet::cuda::emu::sync_all();
   auto* b = dev->lsaBarrier.state;
   if (b) munmap(static_cast<void*>(b->slots), b->bytes);
@@ -328,7 +328,7 @@ inline ncclResult_t ncclDevCommDestroy(ncclComm_t, const ncclDevComm* dev) {
 }
 
 // LSA peer `peer`'s buffer (peer: its rank in the LSA team).
-inline void* ncclGetLsaPointer(ncclWindow_t w, size_t offset, int peer) {
+COCONET_EMU void* ncclGetLsaPointer(ncclWindow_t w, size_t offset, int peer) {
   return w->peers.at(size_t(w->lsa_base + peer)) + offset;
 }
 

@@ -38,6 +38,28 @@
 #define __forceinline__ inline
 #define __shared__ static thread_local
 
+// COCONET_EMU, COCONET_EMU_VAR: the functions that are not templates (the emulation's, and the
+// CUDA runtime's host functions: core.cuh makes COCONET_EMU plain inline for nvcc) and the
+// emulation's variables, built as the CPU runtime's state and helpers are (../state.h):
+//   * COCONET_EMULATE_DEFINES (emulate.cpp, which coconetc's builds compile into the emulation
+//     library, libccnemu-<key>.so, once per runtime and options): defined, visible to every module;
+//   * COCONET_EMULATE_LINKS (an emulated module, its binding, its precompiled header): declared
+//     only (gnu_inline: the body is never emitted; noinline: every call goes to the library);
+//   * neither: inline, as header-only code.
+// So a process holds one emulation (its streams, buffers, happens-before clocks, the fibers'
+// thread indices) shared by every emulated module it loads, and a module compiles its own code
+// and the templates it instantiates, not the emulation again (about a third of its compile).
+#if defined(COCONET_EMULATE_DEFINES)
+#define COCONET_EMU inline __attribute__((used, visibility("default")))
+#define COCONET_EMU_VAR(decl, init) __attribute__((visibility("default"))) decl init;
+#elif defined(COCONET_EMULATE_LINKS)
+#define COCONET_EMU inline __attribute__((gnu_inline, noinline))
+#define COCONET_EMU_VAR(decl, init) extern decl;
+#else
+#define COCONET_EMU inline
+#define COCONET_EMU_VAR(decl, init) inline decl init;
+#endif
+
 // ---- CUDA runtime types --------------------------------------------------------------------------
 
 enum cudaError_t { cudaSuccess = 0, cudaErrorNotReady = 600, cudaErrorUnknown = 999 };
@@ -63,7 +85,10 @@ struct Event;
 typedef coconet::cuda::emu::Stream* cudaStream_t;
 typedef coconet::cuda::emu::Event* cudaEvent_t;
 
-inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+COCONET_EMU_VAR(thread_local dim3 threadIdx, )
+COCONET_EMU_VAR(thread_local dim3 blockIdx, )
+COCONET_EMU_VAR(thread_local dim3 blockDim, )
+COCONET_EMU_VAR(thread_local dim3 gridDim, )
 
 // ---- NCCL and cuBLAS types -------------------------------------------------------------------------
 

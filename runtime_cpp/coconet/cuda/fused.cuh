@@ -26,7 +26,7 @@ struct Partials {
 
 // The accumulators of fused unit `name` (whole sums and norms, segments' sums, max/min pairs),
 // initialized on the call's stream (sums 0, extremes none yet).
-inline Partials partials(int site, int64_t whole, int64_t segment_sums, int64_t extremes, const char* name,
+COCONET_EMU Partials partials(int site, int64_t whole, int64_t segment_sums, int64_t extremes, const char* name,
                          const Ctx& c) {
   const int64_t sums = whole + segment_sums;
   const int64_t n = sums + 2 * extremes + (extremes > 0 ? 2 * kExtremeBlocks : 0);
@@ -41,7 +41,7 @@ inline Partials partials(int site, int64_t whole, int64_t segment_sums, int64_t 
 // Every rank's partial results combined, in place: one grouped call of one or two ncclAllReduce.
 // In a batch (batch.cuh) the whole sums and the extremes over every call's too; each segment's
 // norm only across ranks (its segments are the call's own parameters), as on the CPU.
-inline void combine(const Partials& p, const Ctx& c) {
+COCONET_EMU void combine(const Partials& p, const Ctx& c) {
   if (Batch* b = current_batch()) {
     if (p.whole > 0) combine_calls(*b, batch_slot(), p.acc, p.whole, true, false, c);
     if (p.extremes > 0) combine_calls(*b, batch_slot(), p.extreme(0), 2 * p.extremes, true, true, c);
@@ -219,7 +219,7 @@ std::vector<emu::Span> runs_w(T* y, int64_t outer, int64_t n, int64_t inner, Ran
   chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t, int64_t cnt) { out.push_back(emu::W(y, at, at + cnt)); });
   return out;
 }
-inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::vector<emu::Span>& b) {
+COCONET_EMU std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::vector<emu::Span>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }

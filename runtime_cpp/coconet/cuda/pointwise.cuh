@@ -97,10 +97,10 @@ __global__ void threads_kernel(I n, bool vec, F f) {
 // Whether a kernel over [0, n) whose threads step by `stride` elements may index in int32_t: every
 // index it forms (an element, or one step past the last) is below n + stride. Decided at each
 // launch; COCONET_INDEX32_LIMIT() is INT32_MAX (the emulation's may be set lower, to test both).
-inline bool index32(int64_t n, int64_t stride) { return n + stride <= COCONET_INDEX32_LIMIT(); }
+COCONET_EMU bool index32(int64_t n, int64_t stride) { return n + stride <= COCONET_INDEX32_LIMIT(); }
 
 // This device's multiprocessors (asked once per device).
-inline int sm_count() {
+COCONET_EMU int sm_count() {
   static std::mutex mu;
   static std::map<int, int> sms;
   std::lock_guard<std::mutex> lock(mu);

@@ -108,14 +108,14 @@ void finish_extreme(const double* acc, T* dst, const Ctx& c) {
 }
 
 // acc[0, 2) = no element yet, on the call's stream.
-inline void extreme_init(double* acc, const Ctx& c) {
+COCONET_EMU void extreme_init(double* acc, const Ctx& c) {
   void (*init)(double*) = extreme_init_kernel<>;
   COCONET_ACCESS(COCONET_W(acc, 0, 2));
   COCONET_LAUNCH(init, 1, 1, 0, c.stream, acc);
   COCONET_CUDA(cudaGetLastError());
 }
 
-inline double* extreme_acc(int site, const Ctx& c) {
+COCONET_EMU double* extreme_acc(int site, const Ctx& c) {
   double* acc = scratch<double>(site, 2 + 2 * kExtremeBlocks);
   extreme_init(acc, c);
   return acc;

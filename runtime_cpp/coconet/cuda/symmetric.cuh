@@ -111,7 +111,7 @@ struct SymWindows {
 enum class FusedAlgo { automatic, pipeline, symmetric };
 
 // COCONET_CUDA_FUSED: auto (default), pipeline or symmetric.
-inline FusedAlgo fused_algo() {
+COCONET_EMU FusedAlgo fused_algo() {
   static const FusedAlgo a = [] {
     const char* s = std::getenv("COCONET_CUDA_FUSED");
     const std::string v = s ? s : "";
@@ -176,7 +176,7 @@ void agree(T* v, int count, ncclDataType_t type, ncclRedOp_t op, const Ctx& c) {
   COCONET_CUDA(cudaFree(d));
 }
 // The least of every rank's v.
-inline int agree_min(int v, const Ctx& c) {
+COCONET_EMU int agree_min(int v, const Ctx& c) {
   agree(&v, 1, ncclInt32, ncclMin, c);
   return v;
 }
@@ -193,7 +193,7 @@ inline int agree_min(int v, const Ctx& c) {
 // Make the device communicator of c.comm into `s` (collective over the communicator), with an LSA
 // barrier for every block that can be resident at once on the smallest GPU of the group
 // (multiprocessors x the threads a multiprocessor holds / kSymThreads), agreed by every rank.
-inline ncclResult_t make_dev_comm(const Ctx& c, Symmetric& s) {
+COCONET_EMU ncclResult_t make_dev_comm(const Ctx& c, Symmetric& s) {
   int dev = 0, threads = 0;
   COCONET_CUDA(cudaGetDevice(&dev));
   COCONET_CUDA(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
@@ -205,7 +205,7 @@ inline ncclResult_t make_dev_comm(const Ctx& c, Symmetric& s) {
   return r;
 }
 
-inline Symmetric probe_symmetric(const Ctx& c) {
+COCONET_EMU Symmetric probe_symmetric(const Ctx& c) {
   const ncclComm_t comm = c.comm;
   const Group& g = c.group;
   Symmetric s;
@@ -242,18 +242,18 @@ inline Symmetric probe_symmetric(const Ctx& c) {
   return s;
 }
 
-inline std::mutex& symmetric_mutex() {
+COCONET_EMU std::mutex& symmetric_mutex() {
   static std::mutex mu;
   return mu;
 }
 // Every communicator's state made so far (the caller holds symmetric_mutex()).
-inline std::map<ncclComm_t, Symmetric>& symmetric_states() {
+COCONET_EMU std::map<ncclComm_t, Symmetric>& symmetric_states() {
   static std::map<ncclComm_t, Symmetric> states;
   return states;
 }
 // The state of communicator c.comm, made (collectively) on first use (the caller holds
 // symmetric_mutex()).
-inline Symmetric& symmetric_state(const Ctx& c) {
+COCONET_EMU Symmetric& symmetric_state(const Ctx& c) {
   auto& states = symmetric_states();
   auto it = states.find(c.comm);
   if (it == states.end()) it = states.emplace(c.comm, probe_symmetric(c)).first;
@@ -262,7 +262,7 @@ inline Symmetric& symmetric_state(const Ctx& c) {
 
 // Which of s's caller windows (window_empty's: the first kSymUserWindows) holds [at, at + bytes):
 // its index, or -1.
-inline int user_window(const Symmetric& s, const void* at, size_t bytes) {
+COCONET_EMU int user_window(const Symmetric& s, const void* at, size_t bytes) {
   const char* p = static_cast<const char*>(at);
   for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) {
     const UserWindow& u = s.user[size_t(k)];
@@ -273,7 +273,7 @@ inline int user_window(const Symmetric& s, const void* at, size_t bytes) {
 
 // user_window on communicator comm (a world communicator: groups = 1), or -1 where comm has no
 // state yet; makes nothing (no collective): a call's exchange asks it of each tensor argument.
-inline int window_index(uintptr_t comm, uintptr_t at, size_t bytes) {
+COCONET_EMU int window_index(uintptr_t comm, uintptr_t at, size_t bytes) {
   std::lock_guard<std::mutex> lock(symmetric_mutex());
   const auto& states = symmetric_states();
   const auto it = states.find(reinterpret_cast<ncclComm_t>(comm));
@@ -281,7 +281,7 @@ inline int window_index(uintptr_t comm, uintptr_t at, size_t bytes) {
 }
 
 // COCONET_CUDA_FUSED_TRACE=1: print each fused unit's algorithm and the symmetric kernel's grid.
-inline bool fused_trace() {
+COCONET_EMU bool fused_trace() {
   static const bool trace = [] {
     const char* t = std::getenv("COCONET_CUDA_FUSED_TRACE");
     return t && *t && std::string(t) != "0";
@@ -300,7 +300,7 @@ struct FusedChoice {
 
 // auto's decision for trial t (collective: every rank decides at the same call): each
 // algorithm's median time here, the slowest rank's (ncclMax), the faster kept.
-inline void decide(Trial& t, const Ctx& c) {
+COCONET_EMU void decide(Trial& t, const Ctx& c) {
   float ms[2];
   for (int i = 0; i < 2; ++i) {
     float each[kTimedEach];
@@ -326,7 +326,7 @@ inline void decide(Trial& t, const Ctx& c) {
 // measures both (Trial) and keeps the faster per (fn, unit, n) on this communicator, the same on every
 // rank; symmetric forces the kernel (an error where it cannot run); pipeline forces the pipeline.
 // COCONET_CUDA_FUSED_TRACE=1 prints the choice (rank, unit, algorithm, why) on stderr.
-inline FusedChoice choose_fused(const Ctx& c, const char* fn, const char* unit, int64_t n) {
+COCONET_EMU FusedChoice choose_fused(const Ctx& c, const char* fn, const char* unit, int64_t n) {
   const FusedAlgo a = fused_algo();
   FusedChoice ch;
   char how[96] = "";
@@ -368,7 +368,7 @@ inline FusedChoice choose_fused(const Ctx& c, const char* fn, const char* unit, 
 
 // After the unit (either algorithm): in a timed trial call, the comm stream's work joined into the
 // call's stream and the end recorded there.
-inline void fused_done(const FusedChoice& ch, const Ctx& c) {
+COCONET_EMU void fused_done(const FusedChoice& ch, const Ctx& c) {
   if (!ch.timed) return;
   COCONET_CUDA(cudaEventRecord(ch.timed->comm_done, c.comm_stream));
   COCONET_CUDA(cudaStreamWaitEvent(c.stream, ch.timed->comm_done, 0));
@@ -376,14 +376,14 @@ inline void fused_done(const FusedChoice& ch, const Ctx& c) {
 }
 
 // `bytes` rounded up to a whole number of NCCL_WIN_REQUIRED_ALIGNMENT (a window's size).
-inline size_t window_bytes(size_t bytes) {
+COCONET_EMU size_t window_bytes(size_t bytes) {
   return (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
 }
 
 // This communicator's window of at least `bytes` (collective: every rank asks for the same size
 // in the same order, as every rank runs the same calls) and its device communicator, made once
 // (the window grown when a call needs more). The caller holds symmetric_mutex().
-inline Symmetric& symmetric_window(const Ctx& c, size_t bytes) {
+COCONET_EMU Symmetric& symmetric_window(const Ctx& c, size_t bytes) {
   Symmetric& s = symmetric_state(c);
   if (!s.dev_made) COCONET_CUDA(make_dev_comm(c, s));
   if (s.bytes < bytes) {
@@ -659,7 +659,7 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
 // registered as a window of comm (ncclMemAlloc, ncclCommWindowRegister) where comm can run the
 // symmetric kernel, else plain device memory. Kept until the process ends (deregistering is
 // collective too).
-inline uintptr_t window_empty(uintptr_t comm, uintptr_t stream, size_t bytes) {
+COCONET_EMU uintptr_t window_empty(uintptr_t comm, uintptr_t stream, size_t bytes) {
   CallArgs a;
   a.comm = comm, a.stream = stream;
   const Ctx c = context(a);

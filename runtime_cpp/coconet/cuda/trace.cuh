@@ -54,7 +54,7 @@ COCONET_STATE Marks& marks() COCONET_STATE_BODY({
 })
 
 // An event (the caller holds marks().mu).
-inline cudaEvent_t spare_event(Marks& m) {
+COCONET_EMU cudaEvent_t spare_event(Marks& m) {
   if (!m.spare.empty()) {
     cudaEvent_t e = m.spare.back();
     m.spare.pop_back();
@@ -66,7 +66,7 @@ inline cudaEvent_t spare_event(Marks& m) {
 }
 
 // An event recorded on s now (the call's reference first, if none yet).
-inline cudaEvent_t start(cudaStream_t s) {
+COCONET_EMU cudaEvent_t start(cudaStream_t s) {
   Marks& m = marks();
   std::lock_guard<std::mutex> lock(m.mu);
   if (!m.ref) {
@@ -81,7 +81,7 @@ inline cudaEvent_t start(cudaStream_t s) {
 
 // The mark begun with event a ends now on s: pending until take, or dropped past the trace's limit.
 // Never throws (a Piece ends in its destructor): a failed record drops the mark.
-inline void finish(int32_t unit, int32_t chunk, const char* what, cudaEvent_t a, cudaStream_t s) noexcept {
+COCONET_EMU void finish(int32_t unit, int32_t chunk, const char* what, cudaEvent_t a, cudaStream_t s) noexcept {
   Marks& m = marks();
   std::lock_guard<std::mutex> lock(m.mu);
   ::coconet::trace::Buffer& buf = ::coconet::trace::buffer();
@@ -110,7 +110,7 @@ inline void finish(int32_t unit, int32_t chunk, const char* what, cudaEvent_t a,
 // The pending marks, each waited for and added to ../trace.h's buffer (the Python side calls this
 // after a traced call, before trace::take). Never throws: a mark whose events cannot be read (a
 // call that failed on the GPU) is left out, so that the call's own error is the one raised.
-inline void resolve() noexcept {
+COCONET_EMU void resolve() noexcept {
   Marks& m = marks();
   std::lock_guard<std::mutex> lock(m.mu);
   for (const Pending& p : m.pending) {
