@@ -259,23 +259,23 @@ def _heal(cache: Path, file: Path) -> str:
 
 
 @pytest.mark.slow
-def test_the_cache_heals_every_artifact_it_reuses(sgd_cache) -> None:
-    """For each kind of cached file in turn, every one truncated to 100 bytes, and the module's
-    .so with them (so that the load builds the module again, reusing what the objects cache
-    holds: the units' objects and shared objects, the binding, the runtime library, the
-    precompiled header): the next load builds again what it needs and runs, every truncated
-    file is whole again, and the load after it builds nothing. (The runtime library's truncated copy used to be linked as
-    found: `file too short`.)"""
+@pytest.mark.parametrize("kind", HEALED)
+def test_the_cache_heals_every_artifact_it_reuses(sgd_cache, kind: str) -> None:
+    """For each kind of cached file (a test each, on the one cache), every one truncated to 100
+    bytes, and the module's .so with them (so that the load builds the module again, reusing
+    what the objects cache holds: the units' objects and shared objects, the binding, the
+    runtime library, the precompiled header): the next load builds again what it needs and
+    runs, every truncated file is whole again, and the load after it builds nothing. (The
+    runtime library's truncated copy used to be linked as found: `file too short`.)"""
     cache, first = sgd_cache
     [module] = cache.glob("ccn_sgd_*/build/*.so")
-    for kind, suffixes in HEALED.items():
-        cut = [p for p in cache.rglob("*") if p.is_file() and p.suffix in suffixes]
-        assert cut, f"no {kind} in the cache"
-        for p in {*cut, module}:
-            with open(p, "r+b") as f:
-                f.truncate(100)
-        assert _heal(cache, first) == "BUILT", kind
-        assert all(p.stat().st_size > 100 for p in cut), (kind, [p for p in cut if p.stat().st_size <= 100])
+    cut = [p for p in cache.rglob("*") if p.is_file() and p.suffix in HEALED[kind]]
+    assert cut, f"no {kind} in the cache"
+    for p in {*cut, module}:
+        with open(p, "r+b") as f:
+            f.truncate(100)
+    assert _heal(cache, first) == "BUILT", kind
+    assert all(p.stat().st_size > 100 for p in cut), (kind, [p for p in cut if p.stat().st_size <= 100])
     assert _heal(cache, first) == "CACHED"  # healed once, then reused
 
 
