@@ -211,8 +211,9 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
                    defines: tuple[str, ...] = ()) -> tuple[str, Path]:
     """A generated module.cu (its module named PROBE) built for the host emulation against
     RUNTIME (another copy of runtime_cpp/: tests edit it). installed_binding: link the binding
-    compiled against the installed runtime (once per machine), not one of RUNTIME's own, where
-    RUNTIME's edits are to code only the module's functions run. defines: NAME=VALUE macros for
+    and the emulation library compiled against the installed runtime (once per machine), not
+    ones of RUNTIME's own, where RUNTIME's edits are to code only the module itself compiles
+    (its templates; not a COCONET_EMU function, which the library holds). defines: NAME=VALUE macros for
     the module and its binding (the runtime's compile-time switches: COCONET_EMULATE_SYM_THREADS),
     so that a variant is built once into the cache, as any module is. Returns (module name, .so
     path), cached by a hash of everything that goes in."""
