@@ -123,13 +123,21 @@ def cpu_runtime(log: Log | None) -> list[Path]:
 
 def _runtime_library(log: Log | None) -> Path:
     tc = toolchain()
-    cmd = [tc.mpicxx, *_cpu_flags(), "-shared"]
     text, headers = _runtime_source("runtime.cpp")
-    key = f"libccnrt-{artifacts.content_key([*cpu_key(), headers, *cmd, *_blas(), text, 'runtime.cpp'])}"
+    return _library("libccnrt", "runtime.cpp", text, [tc.mpicxx, *_cpu_flags(), "-shared"], [*cpu_key(), headers],
+                    "compiling the runtime (once per machine)", log)
+
+
+def _library(prefix: str, name: str, text: str, cmd: list[str], key_parts: list[str], what: str,
+             log: Log | None) -> Path:
+    """A runtime library: TEXT (the source NAME) compiled by CMD into <PREFIX>-<key>.so in the
+    objects cache, linked with the BLAS library and named by its key (its soname), once per
+    content (key_parts: what else it depends on)."""
+    key = f"{prefix}-{artifacts.content_key([*key_parts, *cmd, *_blas(), text, name])}"
 
     def go(source: Path, lib: Path) -> None:
-        _steps([("compiling the runtime (once per machine)",
-                 [*cmd, str(source), *_blas(), "-o", str(lib), f"-Wl,-soname,{key}.so"])], source, log, quiet=True)
+        _steps([(what, [*cmd, str(source), "-x", "none", *_blas(), "-o", str(lib), f"-Wl,-soname,{key}.so"])],
+               source, log, quiet=True)
     return artifacts.cached_object(_objects_dir(), key, ".cpp", text, go, product=".so")
 
 
@@ -334,14 +342,8 @@ def _emulation_library(runtime: Path, key_parts: list[str], flags: list[str], lo
     compiled once per runtime and set of defines, as the binding is: every emulated module links
     it by run path, so a process holds one emulation whatever modules it loads."""
     text = (runtime / "coconet" / "cuda" / "emulate.cpp").read_text()
-    cmd = [*_emulated_flags(runtime), *flags, "-shared", "-x", "c++"]
-    key = f"libccnemu-{artifacts.content_key([*key_parts, *cmd, *_blas(), text, 'emulate.cpp'])}"
-
-    def go(source: Path, lib: Path) -> None:
-        _steps([("compiling the host emulation (once per machine)",
-                 [*cmd, str(source), "-x", "none", *_blas(), "-o", str(lib), f"-Wl,-soname,{key}.so"])],
-               source, log, quiet=True)
-    return artifacts.cached_object(_objects_dir(), key, ".cpp", text, go, product=".so")
+    return _library("libccnemu", "emulate.cpp", text, [*_emulated_flags(runtime), *flags, "-shared", "-x", "c++"],
+                    key_parts, "compiling the host emulation (once per machine)", log)
 
 
 def emulated_header(key_parts: list[str], log: Log | None) -> Path:

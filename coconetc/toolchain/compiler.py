@@ -183,8 +183,9 @@ WAYS: dict[str, Way] = {
 }
 
 
-# what an emulated module and its binding include of the runtime (module.cu.j2's includes, and
-# the binding's source itself): their key holds these files and what they include, no other
+# what an emulated module, its binding and its library include of the runtime (module.cu.j2's
+# includes, the binding's and the library's sources themselves): their key holds these files and
+# what they include, no other
 EMULATED_INCLUDES = ('#include "coconet/cuda/runtime.cuh"\n#include "coconet/entries.h"\n#include "coconet/cuda/bind.cu"\n'
                      '#include "coconet/cuda/emulate.cpp"\n')
 
@@ -213,8 +214,9 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
     RUNTIME (another copy of runtime_cpp/: tests edit it). installed_binding: link the binding
     and the emulation library compiled against the installed runtime (once per machine), not
     ones of RUNTIME's own, where RUNTIME's edits are to code only the module itself compiles
-    (its templates; not a COCONET_EMU function, which the library holds). defines: NAME=VALUE macros for
-    the module and its binding (the runtime's compile-time switches: COCONET_EMULATE_SYM_THREADS),
+    (its templates; not a COCONET_EMU function, which the library holds). defines: NAME=VALUE
+    macros for the module, its binding and its library (the runtime's compile-time switches:
+    COCONET_EMULATE_SYM_THREADS),
     so that a variant is built once into the cache, as any module is. Returns (module name, .so
     path), cached by a hash of everything that goes in."""
     why = emulation_missing()
