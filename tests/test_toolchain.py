@@ -132,8 +132,8 @@ def test_manifest_covers_the_units(tmp_path: Path) -> None:
 
 
 def test_a_cached_object_is_reused_only_while_it_matches_its_record(tmp_path: Path) -> None:
-    """What every build reuses from the objects cache (a unit's object and shared object, the
-    bindings' objects, the runtime library, the precompiled header: cached_object) is compiled
+    """What every build reuses from the objects cache (a unit's shared object, the bindings'
+    objects, the runtime library, the precompiled header: cached_object) is compiled
     again when it is truncated, edited to the same size, or has no record (a build killed
     between the object and its record, a cache from before records)."""
     calls: list[str] = []
@@ -233,7 +233,7 @@ HEAL = textwrap.dedent("""
     print("BUILT" if said else "CACHED")
 """)
 
-HEALED = {"shared objects (module, units, runtime library)": (".so",), "objects (units, Python binding)": (".o",),
+HEALED = {"shared objects (module, units, runtime library)": (".so",), "objects (the Python binding)": (".o",),
           "precompiled header": (".gch",)}
 
 
@@ -263,8 +263,8 @@ def _heal(cache: Path, file: Path) -> str:
 def test_the_cache_heals_every_artifact_it_reuses(sgd_cache, kind: str) -> None:
     """For each kind of cached file (a test each, on the one cache), every one truncated to 100
     bytes, and the module's .so with them (so that the load builds the module again, reusing
-    what the objects cache holds: the units' objects and shared objects, the binding, the
-    runtime library, the precompiled header): the next load builds again what it needs and
+    what the objects cache holds: the units' shared objects, the binding's object, the runtime
+    library, the precompiled header): the next load builds again what it needs and
     runs, every truncated file is whole again, and the load after it builds nothing. (The
     runtime library's truncated copy used to be linked as found: `file too short`.)"""
     cache, first = sgd_cache

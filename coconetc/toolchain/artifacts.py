@@ -167,12 +167,12 @@ def cached_object(folder: Path, key: str, suffix: str, text: str, compile_: Call
     record of its size and sha256 written beside it after it (<key><product>.sum); one that does
     not (truncated, edited, or from a build killed between the two) is compiled again."""
     obj = folder / f"{key}{product}"
-    if _whole(obj):
+    if whole(obj):
         return obj
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _whole(obj):  # compiled by whoever held the lock before us
+        if whole(obj):  # compiled by whoever held the lock before us
             return obj
         src = folder / f"{key}{suffix}"
         write_atomic(src, text)
@@ -190,7 +190,7 @@ def _sum_path(obj: Path) -> Path:
     return obj.with_name(obj.name + SUM)
 
 
-def _whole(obj: Path) -> bool:
+def whole(obj: Path) -> bool:
     """OBJ is there and matches the record beside it."""
     try:
         size, sha256 = _sum_path(obj).read_text().split()

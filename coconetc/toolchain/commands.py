@@ -3,7 +3,8 @@ and CMake with nvcc (CUDA modules). The only place in coconetc that starts a com
 builds the sources in `src` into the build folder `build` (absolute paths both).
 
 A CPU module that coconetc builds (cpu_units) is loaded in pieces: each unit (one per program x
-schedule x dtype) is a shared object of its own, cached by content, and the module's .so holds
+schedule x dtype) is a shared object of its own, cached by content (the units not cached yet
+compiled together in a few translation units: _units), and the module's .so holds
 only a lazy table and the Python binding, which map a unit (dlopen, dlsym) on its function's
 first call; importing the module maps none of them. The runtime's state must stay one per
 process (communicators and their cache, shared windows, the thread counts and BLAS threads,
@@ -19,6 +20,7 @@ linked table, runtime.cpp compiled into the module)."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import shlex
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +40,7 @@ from coconetc.toolchain.probes import (ENV_BUILD_JOBS, ENV_VERBOSE, BuildError, 
                                        toolchain)
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 def say(log: Log | None) -> Log:
@@ -84,7 +88,7 @@ def _compiled(cmd: list[str], what: str, log: Log | None) -> Callable[[Path, Pat
     return go
 
 
-def _in_parallel(jobs: Sequence[Callable[[], Path]]) -> list[Path]:
+def _in_parallel(jobs: Sequence[Callable[[], T]]) -> list[T]:
     """Runs the compile jobs side by side, one per core; the first error raises."""
     if len(jobs) <= 1:
         return [job() for job in jobs]
@@ -174,8 +178,8 @@ def cpu_header(log: Log | None) -> Path:
 
 def cpu_units(name: str, src: cpu.Sources, libs: Libs, libs_key: str) -> artifacts.Run:
     """A CPU module NAME built from its units (src.units: function name -> translation unit):
-    each compiled on its own and linked into a shared object of its own, both cached by content
-    (a new or changed schedule compiles and links one; a unit two modules share is built once),
+    each with a shared object of its own, cached by content (_units: a new or changed schedule
+    compiles and links one; a unit two modules share is built once),
     and NAME.so: the module's lazy table of them (cpu.lazy_table) and the binding, which map a
     unit on its function's first call (runtime_cpp/coconet/entries.h). The module and every unit
     link the runtime library (cpu_runtime), so the process holds one runtime state however many
@@ -190,9 +194,7 @@ def cpu_units(name: str, src: cpu.Sources, libs: Libs, libs_key: str) -> artifac
         cmd = [tc.mpicxx, f"-I{cpu_header(log)}", *_cpu_flags(libs.include_dirs)]
         link = [*_runtime_link(library), *_blas(), "-Wl,--no-undefined", *(f"-L{d}" for d in libs.library_dirs),
                 *(f"-Wl,-rpath,{d}" for d in libs.library_dirs), *_libraries(libs)]
-        jobs = [functools.partial(_unit, fn, text, [*cpu_key(), libs_key, probes.headers_key(text)], cmd, link, log)
-                for fn, text in src.units.items()]
-        units = dict(zip(src.units, map(str, _in_parallel(jobs))))
+        units = {fn: str(so) for fn, so in _units(src.units, [*cpu_key(), libs_key], cmd, link, log).items()}
         build.mkdir(parents=True, exist_ok=True)
         artifacts.write_atomic(build / "table.cpp", cpu.lazy_table(src, units))
         artifacts.write_atomic(build / artifacts.UNITS_FILE, "\n".join(units.values()))
@@ -203,17 +205,82 @@ def cpu_units(name: str, src: cpu.Sources, libs: Libs, libs_key: str) -> artifac
     return run
 
 
-def _unit(fn: str, text: str, key_parts: list[str], cmd: list[str], link: list[str], log: Log | None) -> Path:
-    """The shared object of unit FN (its text TEXT): its object compiled with CMD, then linked
-    with CMD and LINK (the libraries), each cached by content in the objects cache."""
-    obj = artifacts.cached_object(_objects_dir(), artifacts.content_key([*key_parts, *cmd, text]), ".cpp", text,
-                                  _compiled(cmd, f"compiling {fn}", log))
-    line = [*cmd, "-shared", str(obj), *link]
+UNITS_PER_BATCH = 4  # the fewest units a batch holds, where more than one batch is compiled
+
+
+def _units(texts: dict[str, str], key_parts: list[str], cmd: list[str], link: list[str],
+           log: Log | None) -> dict[str, Path]:
+    """The shared object of each unit (function name -> its text in TEXTS), cached by content:
+    unit-<key>.so in the objects cache, KEY from its text, CMD, LINK (the libraries), KEY_PARTS
+    and the runtime files it includes (probes.headers_key). The units not cached yet are compiled
+    together, in as few translation units (batches) as keep the cores busy, at least
+    UNITS_PER_BATCH a batch: a compile of each would load the precompiled runtime and
+    instantiate its templates again, most of a small unit's compile (20 units: 18 s of CPU one
+    by one, 4 s as one). Each unit's shared object is linked from its batch's object (a
+    temporary file) alone: only the unit's function exported (a version script) and the rest
+    of the batch dropped (--gc-sections), so a call maps its own unit's code and no other."""
+    objects = _objects_dir()
+    keys = {fn: artifacts.content_key([*key_parts, probes.headers_key(text), *cmd, text, *link])
+            for fn, text in texts.items()}
+    out = {fn: objects / f"unit-{k}.so" for fn, k in keys.items()}
+    missing = [fn for fn in texts if not artifacts.whole(out[fn])]
+    by_prologue: dict[str, list[str]] = {}  # (a batch's units include the same headers)
+    for fn in missing:
+        by_prologue.setdefault(_prologue(texts[fn])[0], []).append(fn)
+    cores = int(os.environ.get(ENV_BUILD_JOBS, os.cpu_count() or 1))
+    batches = []
+    for fns in by_prologue.values():
+        n = max(1, min(cores, len(fns) // UNITS_PER_BATCH))
+        batches += [fns[i::n] for i in range(n)]
+
+    def build(fns: list[str]) -> None:
+        key = artifacts.content_key(["batch", *cmd, *sorted(keys[fn] for fn in fns)])
+        with open(objects / f".batch-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            fns = [fn for fn in fns if not artifacts.whole(out[fn])]  # (another process may have built them)
+            if not fns:
+                return
+            parts = [f"// units {', '.join(fns)}, compiled as one (coconetc.toolchain.commands._units)",
+                     _prologue(texts[fns[0]])[0]]
+            for fn in fns:
+                source = objects / f"{keys[fn]}.cpp"
+                artifacts.write_atomic(source, texts[fn])
+                body, at = _prologue(texts[fn])[1:]
+                parts += [f'#line {at + 1} "{source}"', body]
+            src, obj = (objects / f".batch-{key}.{os.getpid()}{ext}" for ext in (".cpp", ".o"))
+            try:
+                src.write_text("\n".join(parts) + "\n")
+                _compiled([*cmd, "-ffunction-sections", "-fdata-sections"], f"compiling {', '.join(fns)}", log)(src, obj)
+                for fn in fns:
+                    _unit_so(fn, keys[fn], obj, cmd, link, log)
+                src.unlink()  # (kept where the compiler failed: its errors name the units' own files)
+            finally:
+                obj.unlink(missing_ok=True)
+    _in_parallel([functools.partial(build, fns) for fns in batches])
+    return out
+
+
+def _prologue(text: str) -> tuple[str, str, int]:
+    """A unit's TEXT cut after its comments, defines and includes: (those lines, the rest, the
+    number of lines before the rest)."""
+    lines = text.split("\n")
+    n = 0
+    while n < len(lines) and (not lines[n].strip() or lines[n].startswith(("//", "#define", "#include"))):
+        n += 1
+    return "\n".join(ln for ln in lines[:n] if not ln.startswith("//")), "\n".join(lines[n:]), n
+
+
+def _unit_so(fn: str, key: str, obj: Path, cmd: list[str], link: list[str], log: Log | None) -> Path:
+    """unit-KEY.so: unit FN's function linked from OBJ (its batch's object), the other units'
+    functions local and dropped."""
+    objects = _objects_dir()
+    script = objects / f"unit-{key}.map"
+    artifacts.write_atomic(script, f"{{ global: {cpu.UNIT_SYMBOL}{fn}; local: *; }};\n")
+    line = [*cmd, "-shared", str(obj), *link, "-Wl,--gc-sections", f"-Wl,--version-script={script}"]
 
     def go(_: Path, so: Path) -> None:
         _steps([(f"linking {fn}", [*line, "-o", str(so)])], obj, log, quiet=True)
-    return artifacts.cached_object(_objects_dir(), f"unit-{artifacts.content_key(line)}", ".link", " ".join(line), go,
-                                   product=".so")
+    return artifacts.cached_object(objects, f"unit-{key}", ".link", " ".join(line), go, product=".so")
 
 
 def _blas_headers(include: str, build: Path) -> Path:
