@@ -19,6 +19,7 @@ import pytest
 
 from coconetc.sourcefile import load_source
 from coconetc.errors import CompileError
+import rank_pool
 
 pytestmark = pytest.mark.slow  # one module of 14 programs, then a launch on 2 and one on 3 ranks
 
@@ -136,7 +137,6 @@ def test_accepted_programs_run_and_match(accepted_file, capfd, ranks: int) -> No
     """Every program under every schedule (what `coconetc run -s all` does one program at a
     time), all in one MPI job (tests/run_jobs_worker.py), against the interpreter."""
     import coconetc
-    from coconetc.launch.mpiexec import run_python
     path, names = accepted_file
     schedules = coconetc.load(path, log=lambda msg: None).source_module.schedules  # built once; the ranks import it
     argv, want = [str(RUN_JOBS)], []
@@ -145,8 +145,7 @@ def test_accepted_programs_run_and_match(accepted_file, capfd, ranks: int) -> No
         argv += [str(path), "--program", name, "--reps", "1", *(f"--schedule={s}" for s in scheds),
                  *(s for s in SIZES if f"{s.split('=')[1]}" in _symbols(path, name)), "--"]
         want += [f"{name} [{s}]: {ranks} ranks:" for s in scheds]
-    rc = run_python(ranks, argv, timeout=900)
-    out, err = capfd.readouterr()
+    rc, out, err = rank_pool.run(ranks, argv, timeout=900)
     log = f"{path.read_text()}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, log
     lines = [ln for ln in out.splitlines() if re.match(r"\S+ \[[^\]]+\]: \d+ ranks:", ln)]

@@ -27,6 +27,7 @@ from coconetc.toolchain import probes
 from coconetc.launch.mpiexec import run_python
 from coconetc.sourcefile import load_file
 from coconetc.interp.values import TOLERANCE
+import rank_pool
 
 REPO = Path(__file__).resolve().parents[1]
 # Files whose compiled runs are tested elsewhere, not in this file's matrix: gpt_pipeline.ccn is
@@ -239,8 +240,7 @@ def _check_jobs(modules, capfd, ranks, jobs):
         for k, v in sizes.items():
             argv += ["--size", f"{k}={v}"]
         argv.append("--")
-    rc = run_python(ranks, argv, timeout=LAUNCH_TIMEOUT + 10 * len(jobs))
-    out, err = capfd.readouterr()
+    rc, out, err = rank_pool.run(ranks, argv, timeout=LAUNCH_TIMEOUT + 10 * len(jobs))
     log = f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, f"worker exited with {rc}\n{log}"
     results = [ln for ln in out.splitlines() if re.match(r"\S+ \[[^\]]+\]: \d+ ranks:", ln)]

@@ -17,6 +17,7 @@ import pytest
 from coconetc import toolchain
 from coconetc.sourcefile import load_file
 from coconetc.toolchain import probes
+import rank_pool
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 COCONETC = str(Path(sys.executable).parent / "coconetc")
@@ -80,7 +81,6 @@ def test_every_program_on_every_rank_count(emulated, capfd, monkeypatch, ranks, 
     """Every program and schedule of the files on 1 to 4 ranks (uneven slices and segments, a
     rank with nothing at N = 3 on 4 ranks, many 2-element chunks), in one MPI job a rank count
     (tests/run_jobs_worker.py, coconetc.jobs.run's jobs in turn), against the interpreter."""
-    from coconetc.launch.mpiexec import run_python
     if chunk:
         monkeypatch.setenv("COCONET_CUDA_CHUNK", chunk)
     argv, want = [str(RUN_JOBS)], []
@@ -93,8 +93,7 @@ def test_every_program_on_every_rank_count(emulated, capfd, monkeypatch, ranks, 
             argv += [str(PROGRAMS / file), "--program", program, "--emulate-cuda", "--reps", "1", "--groups",
                      str(groups), *(f"--schedule={s}" for s in scheds), f"--size=N={size}", "--"]
             want += [f"{program} [{s}] (CUDA, host emulation): {ranks} ranks:" for s in scheds]
-    rc = run_python(ranks, argv, timeout=900)
-    out, err = capfd.readouterr()
+    rc, out, err = rank_pool.run(ranks, argv, timeout=900)
     log = f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, log
     lines = [ln for ln in out.splitlines() if "(CUDA, host emulation): " in ln]

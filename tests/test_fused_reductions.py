@@ -31,6 +31,7 @@ from coconetc.plan.show import show
 from coconetc.plan.units import Fused, Overlap, Reduce
 from coconetc.sourcefile import SourceFile, load_source
 from coconetc.toolchain import probes
+import rank_pool
 
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
@@ -400,21 +401,18 @@ def test_cuda_per_chunk_nonfinite_skip_and_nan_max(ranks, algo, capfd, monkeypat
     max and min of the reduced gradient with a NaN, an inf, a -inf against NumPy
     (tests/max_reduction_worker.py, N = 1001; on 3 ranks also N = 2: a rank with an empty slice,
     its partial result -inf/+inf)."""
-    from coconetc.launch.mpiexec import run_python
     sys.path.insert(0, str(Path(__file__).parent))
     from test_max_reduction import MM
     monkeypatch.setenv("COCONET_CUDA_CHUNK", "64")
     monkeypatch.setenv("COCONET_CUDA_FUSED", algo)
-    rc = run_python(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")), str(EX / "scaled_adam.ccn"),
-                            "emulate"], timeout=600)
-    out = capfd.readouterr().out
+    rc, out, _ = rank_pool.run(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")),
+                                       str(EX / "scaled_adam.ccn"), "emulate"], timeout=600)
     assert rc == 0 and out.count("OK ") == 11, out
     mm = tmp_path / "mm.ccn"
     mm.write_text(MM)
     for n in (1001, 2) if ranks == 3 else (1001,):
-        rc = run_python(ranks, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm), str(n), "emulate"],
-                        timeout=600)
-        out = capfd.readouterr().out
+        rc, out, _ = rank_pool.run(ranks, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm), str(n),
+                                           "emulate"], timeout=600)
         assert rc == 0 and out.count("OK ") == 12, out
 
 
@@ -645,10 +643,8 @@ def test_loss_scaled_step_is_skipped_on_inf_and_nan(ranks, capfd):
     """examples/scaled_adam.ccn compiled: an inf or a NaN in one rank's gradient skips the step
     under every schedule (m, v, w and w16 unchanged, the scale halved); finite gradients take it,
     the schedules agree (tests/fused_reductions_worker.py)."""
-    from coconetc.launch.mpiexec import run_python
-    rc = run_python(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")),
-                            str(EX / "scaled_adam.ccn")], timeout=400)
-    out = capfd.readouterr().out
+    rc, out, _ = rank_pool.run(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")),
+                                       str(EX / "scaled_adam.ccn")], timeout=400)
     assert rc == 0 and out.count("OK ") == 11, out
 
 

@@ -33,6 +33,7 @@ from coconetc.interp.interpreter import run
 from coconetc.ir.slices import slice_range
 from coconetc.sourcefile import load_file, load_source
 from coconetc.toolchain import probes
+import rank_pool
 
 FILE = Path(__file__).resolve().parent / "programs" / "gather_matmul.ccn"
 RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
@@ -295,9 +296,7 @@ def _symbols(prog: str) -> set[str]:
 
 
 def _check(capfd, ranks: int, argv: list[str], want: list[str]) -> None:
-    from coconetc.launch.mpiexec import run_python
-    rc = run_python(ranks, argv, timeout=900)
-    out, err = capfd.readouterr()
+    rc, out, err = rank_pool.run(ranks, argv, timeout=900)
     log = f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, log
     lines = [ln for ln in out.splitlines() if "ranks: " in ln and " [" in ln]

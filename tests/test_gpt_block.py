@@ -40,6 +40,7 @@ from coconetc.ir.slices import slice_range
 from coconetc.launch import mpiexec
 from coconetc.sourcefile import load_source
 from coconetc.toolchain import probes
+import rank_pool
 
 torch = pytest.importorskip("torch")
 
@@ -333,8 +334,7 @@ def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:
         argv += [str(f), "--program", program, *(a for p in PROGRAMS for a in ("--grad-of", p)), "--reps", "1", *extra,
                  *sizes, *(f"--schedule={s}" for s in schedules), "--"]
         want += [f"{program} [{s}]" for s in schedules]
-    rc = mpiexec.run_python(ranks, argv, timeout=900)
-    out, err = capfd.readouterr()
+    rc, out, err = rank_pool.run(ranks, argv, timeout=900)
     log = f"--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
     lines = [ln for ln in out.splitlines() if re.match(r"\S+ \[\w+\]( \(CUDA, host emulation\))?: \d+ ranks:", ln)]
     assert rc == 0 and len(lines) == len(want), log

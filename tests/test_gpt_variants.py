@@ -32,8 +32,8 @@ from rank_checks import joined, rank_parts, shared_file
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
 from coconetc.interp.interpreter import run
-from coconetc.launch import mpiexec
 from coconetc.sourcefile import load_source
+import rank_pool
 
 torch = pytest.importorskip("torch")
 
@@ -177,8 +177,7 @@ def test_compiled_matches_interpreter(built, ranks, capfd):
         argv += [str(built), "--program", program, *(a for p in PROGRAMS for a in ("--grad-of", p)), "--reps", "1",
                  *sizes, *(f"--schedule={s}" for s in schedules), "--"]
         want += [f"{program} [{s}]" for s in schedules]
-    rc = mpiexec.run_python(ranks, argv, timeout=900)
-    out, err = capfd.readouterr()
+    rc, out, err = rank_pool.run(ranks, argv, timeout=900)
     log = f"--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
     lines = [ln for ln in out.splitlines() if re.match(r"\S+ \[\w+\]: \d+ ranks:", ln)]
     assert rc == 0 and len(lines) == len(want), log

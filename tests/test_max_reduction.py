@@ -34,6 +34,7 @@ from coconetc.plan.show import show
 from coconetc.plan.units import Fused, Reduce
 from coconetc.sourcefile import load_source
 from coconetc.toolchain import probes
+import rank_pool
 
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
@@ -262,10 +263,8 @@ def test_compiled_scattered_parameters(tmp_path):
 def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n, capfd):
     """NaN propagates through the cross-rank combine (plain and fused), inf and -inf are values;
     N=2 on 3 ranks leaves one rank an empty slice (its partial result the identity)."""
-    from coconetc.launch.mpiexec import run_python
-    rc = run_python(ranks, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm_file), str(n)],
-                    timeout=400)
-    out = capfd.readouterr().out
+    rc, out, _ = rank_pool.run(ranks, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm_file), str(n)],
+                               timeout=400)
     assert rc == 0 and out.count("OK ") == 12, out
 
 
@@ -277,10 +276,8 @@ def test_cuda_emulation_equals_the_interpreter_and_numpy(mm_file, capfd):
     out = _cli(["run", str(mm_file), "-s", "all", "--ranks", "2", "--size", "N=1001", "--backend", "cuda", "--emulate"])
     for s in ("default", "plain", "fused"):
         assert re.search(rf"mm \[{s}\] \(CUDA, host emulation\): 2 ranks: .* matches the interpreter", out), out
-    from coconetc.launch.mpiexec import run_python
-    rc = run_python(3, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm_file), "2", "emulate"],
-                    timeout=600)
-    out = capfd.readouterr().out
+    rc, out, _ = rank_pool.run(3, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm_file), "2",
+                                   "emulate"], timeout=600)
     assert rc == 0 and out.count("OK ") == 12, out
 
 
