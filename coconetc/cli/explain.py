@@ -69,8 +69,9 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     if (bandwidth or peak or machine) and not listing:
         fail("coconetc: --bandwidth, --peak and --machine are the kernel listing's: give --backend cuda -s SCHEDULE")
     if listing and not emulate:
-        from coconetc.cli.options import gpu_here, target_of
-        target = target_of(backend, emulate)
+        from coconetc.cli.options import gpu_here
+        from coconetc.plan.targets import Target
+        target = Target.named(backend, emulate)
         records = gpu_here()
     else:
         target = checked_target("explain", backend, emulate, "read the records measured under the host emulation")

@@ -39,19 +39,15 @@ def lib_kwargs(include_dirs, library_dirs, libraries) -> dict:
     return dict(include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
 
 
-def target_of(backend: str, emulate: bool) -> Target:
-    """The toolchain's target of --backend and --emulate: cpu, cuda or cuda-emulated."""
-    return Target.CPU if backend != "cuda" else Target.EMULATED if emulate else Target.CUDA
-
-
 def checked_target(command: str, backend: str, emulate: bool, emulated: str) -> Target:
-    """target_of, after the checks every command taking --backend/--emulate makes: --emulate only
-    with --backend cuda, and --backend cuda alone only where PyTorch sees a GPU (a GPU's
-    records are keyed by its name); EMULATED says what --emulate would do instead."""
+    """The target of --backend and --emulate (Target.named), after the checks every command
+    taking them makes: --emulate only with --backend cuda, and --backend cuda alone only where
+    PyTorch sees a GPU (a GPU's records are keyed by its name); EMULATED says what --emulate
+    would do instead."""
     from coconetc.runtime.backends import backend as backend_of
     if emulate and backend != "cuda":
         fail("coconetc: --emulate goes with --backend cuda")
-    target = target_of(backend, emulate)
+    target = Target.named(backend, emulate)
     if backend_of(target).gpu and not gpu_here():
         fail(f"coconetc: {command} --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               f"add --emulate to {emulated}")

@@ -12,7 +12,7 @@ import numpy as np
 
 from coconetc.cli.files import (DEBUG, base_name, check_sizes, fail, load_ccn, parse_label, parse_sizes, pick_program,
                                 with_grad)
-from coconetc.cli.options import gpu_here, launch_ranks, lib_kwargs, lib_options, target_of
+from coconetc.cli.options import gpu_here, launch_ranks, lib_kwargs, lib_options
 from coconetc.errors import CompileError
 from coconetc.plan.label import DEFAULT
 from coconetc.plan.targets import Target
@@ -91,7 +91,7 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
     # the records of the target the schedules run on (`coconetc tune --backend cuda [--emulate]`
     # measures the CUDA module's, whose choice may be a schedule the tuner wrote for it alone)
-    target = "cpu" if interp else target_of(backend, emulate)
+    target = "cpu" if interp else Target.named(backend, emulate)
     if schedule == "auto" or any(_auto(mod, name, s) for s in names):
         mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto",
                                    target=target)

@@ -68,6 +68,17 @@ class Target(Choice):
     CUDA = "cuda"
     EMULATED = "cuda-emulated"  # the generated CUDA code run on the host (`--backend cuda --emulate`)
 
+    @classmethod
+    def named(cls, word: str, emulate: bool = False) -> Target:
+        """The target a user's word names (`--backend WORD`, `backend=WORD`): "cuda" with EMULATE
+        (`--emulate`, or COCONET_CUDA_EMULATE=1 for a Python caller) is the host emulation; a word
+        that names no target is a ValueError listing those there are."""
+        try:
+            target = cls(word)
+        except ValueError:
+            raise ValueError(f"unknown backend {word!r} (one of {', '.join(t.value for t in cls)})") from None
+        return cls.EMULATED if target is cls.CUDA and emulate else target
+
     @property
     def facts(self) -> Facts:
         """Every fact a layer asks about this target (FACTS)."""

@@ -340,14 +340,10 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (Backend(), CudaBackend(), Em
 
 def backend(name: str) -> Backend:
     """The backend named NAME ("cpu", "cuda", "cuda-emulated")."""
-    try:
-        return BACKENDS[str(Target(name).value)]
-    except ValueError:
-        raise ValueError(f"unknown backend {name!r} (one of {', '.join(BACKENDS)})") from None
+    return BACKENDS[Target.named(name).value]
 
 
 def backend_for(name: str) -> Backend:
     """The backend a user's backend=NAME runs on here: "cuda" under COCONET_CUDA_EMULATE=1 is
     the host emulation (emulation.py)."""
-    b = backend(name)
-    return BACKENDS[Target.EMULATED.value] if b.name == "cuda" and emulating() else b
+    return BACKENDS[Target.named(name, emulating()).value]
