@@ -99,18 +99,25 @@ def test_emit_only_needs_output():
     assert res.exit_code == 1 and "needs --output" in res.stderr
 
 
+# The modules' compile options (documented in cmake/coconet.cmake) at -O0, as every other test
+# builds (conftest.py): the module, the runtime and pybind11's binding compile in about half the
+# time; what they compute does not depend on it.
+FAST = ["-DCOCONET_MODULE_OPTIONS=-O0;-DNDEBUG;-Wall"]
+
+
 # ---- the top-level CMakeLists.txt ----
 
 @pytest.mark.slow
 def test_top_level_build_and_ctest(tmp_path: Path):
     """cmake -S . -B build && cmake --build build && ctest: with the venv's bin first on PATH
-    and nothing else given, the venv's Python, pybind11, MPI and OpenBLAS are found. Every test
+    and no path given (only the modules' options, FAST), the venv's Python, pybind11, MPI and
+    OpenBLAS are found. Every test
     is registered in ctest; the sgd example and the small runtime checks run here, while the
     runtime's big test program (runtime_np1..4, built and run on 1 to 4 ranks by
     tests/test_runtime_cpp.py from the same sources) is not built a second time."""
     _need_toolchain()
     env, build = _env(venv_on_path=True), tmp_path / "build"
-    _run([_tool("cmake"), "-S", REPO, "-B", build], env)
+    _run([_tool("cmake"), "-S", REPO, "-B", build, *FAST], env)
     listed = _run([_tool("ctest"), "--test-dir", build, "-N"], env).stdout
     assert "Total Tests: 8" in listed, listed
     for name in ("runtime_np1", "runtime_np2", "runtime_np3", "runtime_np4", "runtime_noblas_nompi", "runtime_abort",
@@ -154,7 +161,7 @@ def test_user_project_with_find_package(tmp_path: Path):
     (src / "CMakeLists.txt").write_text(USER_PROJECT.format(check=check, expect="default,fused,rs_c_ag"))
     env = _env(venv_on_path=False)
     _run([_tool("cmake"), "-S", src, "-B", build, f"-Dcoconet_DIR={REPO / 'cmake'}",
-          f"-DPython_EXECUTABLE={sys.executable}"], env)
+          f"-DPython_EXECUTABLE={sys.executable}", *FAST], env)
     _run([_tool("cmake"), "--build", build, "-j2"], env)
     assert "PyInit_my_sgd()" in (build / "gen" / "module.cpp").read_text()
     out = _run([_tool("ctest"), "--test-dir", build, "--output-on-failure"], env).stdout
