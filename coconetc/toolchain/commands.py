@@ -224,9 +224,10 @@ def _units(texts: dict[str, str], key_parts: list[str], cmd: list[str], link: li
             for fn, text in texts.items()}
     out = {fn: objects / f"unit-{k}.so" for fn, k in keys.items()}
     missing = [fn for fn in texts if not artifacts.whole(out[fn])]
+    cut = {fn: _prologue(texts[fn]) for fn in missing}
     by_prologue: dict[str, list[str]] = {}  # (a batch's units include the same headers)
     for fn in missing:
-        by_prologue.setdefault(_prologue(texts[fn])[0], []).append(fn)
+        by_prologue.setdefault(cut[fn][0], []).append(fn)
     cores = int(os.environ.get(ENV_BUILD_JOBS, os.cpu_count() or 1))
     batches = []
     for fns in by_prologue.values():
@@ -241,11 +242,11 @@ def _units(texts: dict[str, str], key_parts: list[str], cmd: list[str], link: li
             if not fns:
                 return
             parts = [f"// units {', '.join(fns)}, compiled as one (coconetc.toolchain.commands._units)",
-                     _prologue(texts[fns[0]])[0]]
+                     cut[fns[0]][0]]
             for fn in fns:
                 source = objects / f"{keys[fn]}.cpp"
                 artifacts.write_atomic(source, texts[fn])
-                body, at = _prologue(texts[fn])[1:]
+                body, at = cut[fn][1:]
                 parts += [f'#line {at + 1} "{source}"', body]
             src, obj = (objects / f".batch-{key}.{os.getpid()}{ext}" for ext in (".cpp", ".o"))
             try:
