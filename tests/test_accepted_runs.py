@@ -133,7 +133,7 @@ def test_accepted_programs_build(accepted_file) -> None:
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_accepted_programs_run_and_match(accepted_file, capfd, ranks: int) -> None:
+def test_accepted_programs_run_and_match(accepted_file, ranks: int) -> None:
     """Every program under every schedule (what `coconetc run -s all` does one program at a
     time), all in one MPI job (tests/run_jobs_worker.py), against the interpreter."""
     import coconetc

@@ -214,21 +214,21 @@ def _launches(params, per: int = 12) -> list:
 
 
 @pytest.mark.parametrize("ranks, jobs", _launches(MATRIX))
-def test_schedules_match_interpreter(modules, capfd, ranks, jobs):
-    _check_jobs(modules, capfd, ranks, jobs)
+def test_schedules_match_interpreter(modules, ranks, jobs):
+    _check_jobs(modules, ranks, jobs)
 
 
 @pytest.mark.parametrize("ranks, jobs", _launches(CHUNKED))
-def test_fused_schedules_in_small_chunks(modules, capfd, monkeypatch, ranks, jobs):
+def test_fused_schedules_in_small_chunks(modules, monkeypatch, ranks, jobs):
     monkeypatch.setenv("COCONET_CHUNK", "2")
-    _check_jobs(modules, capfd, ranks, jobs)
+    _check_jobs(modules, ranks, jobs)
 
 
 def test_chunked_matrix_is_not_empty():
     assert {p.values[1] for p in CHUNKED} >= {"adam", "sgd", "lamb", "mlp_out"}
 
 
-def _check_jobs(modules, capfd, ranks, jobs):
+def _check_jobs(modules, ranks, jobs):
     """One mpiexec launch for JOBS ((file, program, schedules, ranks, groups, sizes) each, in
     turn: tests/run_jobs_worker.py); every schedule of every job must match the interpreter."""
     argv: list[str] = [str(RUN_JOBS)]

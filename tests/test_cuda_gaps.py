@@ -77,7 +77,7 @@ def emulated(request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, size, chunk", RUNS, ids=[f"R{r}-N{n}" + (f"-ch{c}" if c else "") for r, n, c in RUNS])
-def test_every_program_on_every_rank_count(emulated, capfd, monkeypatch, ranks, size, chunk):
+def test_every_program_on_every_rank_count(emulated, monkeypatch, ranks, size, chunk):
     """Every program and schedule of the files on 1 to 4 ranks (uneven slices and segments, a
     rank with nothing at N = 3 on 4 ranks, many 2-element chunks), in one MPI job a rank count
     (tests/run_jobs_worker.py, coconetc.jobs.run's jobs in turn), against the interpreter."""

@@ -394,7 +394,7 @@ def test_cuda_per_chunk_after_a_row_wise_phase(tmp_path):
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("algo", ["pipeline", "auto"])
 @pytest.mark.parametrize("ranks", [1, 3])  # 3: uneven and empty slices; the CPU's cases run on 2
-def test_cuda_per_chunk_nonfinite_skip_and_nan_max(ranks, algo, capfd, monkeypatch, tmp_path):
+def test_cuda_per_chunk_nonfinite_skip_and_nan_max(ranks, algo, monkeypatch, tmp_path):
     """Under the host emulation, in chunks of 64 elements: scaled_adam's step is skipped on an
     inf or a NaN in one rank's gradient under every schedule (the non-finite count accumulated
     per chunk), and taken, equal across schedules, without (tests/fused_reductions_worker.py);
@@ -639,7 +639,7 @@ schedule z for e {
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_loss_scaled_step_is_skipped_on_inf_and_nan(ranks, capfd):
+def test_loss_scaled_step_is_skipped_on_inf_and_nan(ranks):
     """examples/scaled_adam.ccn compiled: an inf or a NaN in one rank's gradient skips the step
     under every schedule (m, v, w and w16 unchanged, the scale halved); finite gradients take it,
     the schedules agree (tests/fused_reductions_worker.py)."""

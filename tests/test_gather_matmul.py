@@ -295,7 +295,7 @@ def _symbols(prog: str) -> set[str]:
     return set(re.findall(r"\b([A-Z])\b", m.group(1)))
 
 
-def _check(capfd, ranks: int, argv: list[str], want: list[str]) -> None:
+def _check(ranks: int, argv: list[str], want: list[str]) -> None:
     rc, out, err = rank_pool.run(ranks, argv, timeout=900)
     log = f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, log
@@ -307,21 +307,21 @@ def _check(capfd, ranks: int, argv: list[str], want: list[str]) -> None:
 
 @pytest.mark.slow  # its 41 functions' units: about a minute of builds (the plans and proofs are quick)
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_cpu_matches_interpreter(request, capfd):
+def test_cpu_matches_interpreter(request):
     import coconetc
     coconetc.load(FILE, log=lambda msg: None, grad=GRADS)  # built once; the ranks import it
     for ranks in (2, 3):
-        _check(capfd, ranks, *_jobs(ranks))
+        _check(ranks, *_jobs(ranks))
 
 
 @pytest.mark.slow  # (the CPU backend's run of the same programs is in make test-quick)
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_matches_interpreter(request, capfd):
+def test_cuda_emulation_matches_interpreter(request):
     from coconetc.runtime.cuda import load_emulated
     load_emulated(FILE, log=lambda msg: None, grad=GRADS)
     for ranks in (2, 3):
         argv, want = _jobs(ranks, "--emulate-cuda")
-        _check(capfd, ranks, argv, [w + " (CUDA, host emulation)" for w in want])
+        _check(ranks, argv, [w + " (CUDA, host emulation)" for w in want])
 
 
 @pytest.mark.slow

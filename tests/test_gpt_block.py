@@ -323,7 +323,7 @@ def f64_file(request) -> Path:
     return shared_file(request, "gpt-block-f64", "gpt_block.ccn", _f64())
 
 
-def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:
+def _run_jobs(f: Path, ranks: int, *extra: str) -> None:
     """Every program of JOBS under its schedules, compiled, against the interpreter on every
     rank, in one MPI job (tests/run_jobs_worker.py: coconetc.jobs.run's jobs in turn, each on
     random inputs whose pdrop is drawn in [0.05, 0.5]). Every job loads the one module of the
@@ -344,13 +344,13 @@ def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_matches_interpreter(f64_file, capfd):
+def test_cuda_emulation_matches_interpreter(f64_file):
     """Both programs and their derived programs under every schedule, as CUDA under the host
     emulation on 2 ranks (test_cuda_emulate's example-wide run leaves gpt_block out; the CPU
     backend runs the f32 example on 1 to 4 ranks in test_cpu_backend's matrix)."""
     from coconetc.runtime.cuda import load_emulated
     load_emulated(f64_file, log=lambda msg: None, grad=PROGRAMS)
-    _run_jobs(f64_file, 2, capfd, "--emulate-cuda")
+    _run_jobs(f64_file, 2, "--emulate-cuda")
 
 
 # --- through coconetc.torch.function on 2 ranks -------------------------------------------------

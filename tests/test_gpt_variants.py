@@ -167,7 +167,7 @@ def built(request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_compiled_matches_interpreter(built, ranks, capfd):
+def test_compiled_matches_interpreter(built, ranks):
     """Every program and derived program under every schedule, compiled for the CPU (f32), against
     the interpreter on every rank, in one MPI job (tests/run_jobs_worker.py; random inputs, pdrop
     drawn in [0.05, 0.5])."""

@@ -260,7 +260,7 @@ def test_compiled_scattered_parameters(tmp_path):
 
 
 @pytest.mark.parametrize("ranks,n", [(2, 1001), (3, 2)])
-def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n, capfd):
+def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n):
     """NaN propagates through the cross-rank combine (plain and fused), inf and -inf are values;
     N=2 on 3 ranks leaves one rank an empty slice (its partial result the identity)."""
     rc, out, _ = rank_pool.run(ranks, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm_file), str(n)],
@@ -270,7 +270,7 @@ def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n, capfd):
 
 @pytest.mark.slow  # its CPU twin, test_compiled_schedules_equal_the_interpreter[shm], is quick
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_equals_the_interpreter_and_numpy(mm_file, capfd):
+def test_cuda_emulation_equals_the_interpreter_and_numpy(mm_file):
     """Several blocks of the two-pass kernel (N=1001), then NaN/inf through ncclMax on 3 ranks,
     one of them with an empty slice."""
     out = _cli(["run", str(mm_file), "-s", "all", "--ranks", "2", "--size", "N=1001", "--backend", "cuda", "--emulate"])
