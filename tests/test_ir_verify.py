@@ -43,8 +43,12 @@ def test_every_program_and_schedule_verifies(path: Path) -> None:
 
 
 def _broken(monkeypatch, kind: type, corrupt) -> None:
+    from coconetc import cache
     real = APPLY._APPLY[kind]
     monkeypatch.setitem(APPLY._APPLY, kind, lambda p, d: corrupt(real(p, d)))
+    # (no record of an earlier run's load of the same text: the rewrite must run)
+    monkeypatch.setattr(cache, "recall_parsed", lambda *args: None)
+    monkeypatch.setattr(cache, "remember_parsed", lambda *args: None)
 
 
 def _retype_stage(p, name, t):
