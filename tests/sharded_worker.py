@@ -50,7 +50,9 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +129,16 @@ class Stack(torch.nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
+
+
+class Branched(Stack):
+    """Stack with blocks.0 and blocks.1 as a branch beside the input of blocks.2: the branch's
+    output added where USE (its forward runs either way)."""
+
+    def forward(self, x: torch.Tensor, use: bool = True) -> torch.Tensor:  # type: ignore[override]
+        h = self.inp(x)
+        b = self.blocks[1](self.blocks[0](h))
+        return self.out(self.blocks[2](h + b if use else h))
 
 
 STACK_SHARDING = dict(min_numel=6, dims={"out.weight": 1})  # out.bias (5 elements) stays whole
@@ -344,6 +356,27 @@ class Worker:
                            lambda r=reshard, p=prefetch: self._units(dict(reshard_after_forward=r, prefetch=p)))
         self.check(f"units:R{self.R}:named", lambda: self._units(dict(units=NAMED_UNITS, prefetch=1), tied=True))
         self.check(f"units:R{self.R}:two_forwards", self._two_forwards)
+        self.check(f"units:R{self.R}:not_reaching", self._not_reaching)
+
+    def _not_reaching(self) -> str | None:
+        """A branch of two units whose output reaches the loss on rank 0 only (gathered again in
+        rank 0's backward, caught up at the end of the others', in the same order), prefetch 0:
+        3 AdamW steps against one process."""
+        m, ref = Branched(0), Branched(0)
+        sh = ct.shard(m, reduce="sum", prefetch=0, **STACK_SHARDING)  # type: ignore[arg-type]
+        opt, ropt = adamw(m), adamw(ref)
+        parts = [slice_range(B, self.R, r) for r in range(self.R)]
+        for t in range(3):
+            x, y, lo, hi = self._batch(t)
+            opt.zero_grad()
+            (((m(x[lo:hi], self.rank == 0) - y[lo:hi]) ** 2).sum() / B).backward()
+            opt.step()
+            ropt.zero_grad()
+            (sum(((ref(x[a:b], r == 0) - y[a:b]) ** 2).sum() for r, (a, b) in enumerate(parts)) / B).backward()
+            ropt.step()
+        whole = sh.state_dict(rank0_only=False)
+        err = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        return f"max |difference| {err:.3g} > {TOL}" if err > TOL else None
 
     def _two_forwards(self) -> str | None:
         """Two forwards (this rank's rows in two halves), then one backward of their sum."""
@@ -378,6 +411,80 @@ class Worker:
         with torch.no_grad():
             x = torch.randn(4, 7, generator=torch.Generator().manual_seed(9))
             errs.append((m(x) - ref(x)).abs().max().item())
+        return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+
+    def in_backward(self) -> None:
+        """adamw_in_backward: 4 steps against torch.optim.AdamW in one process (each unit updated
+        inside its backward, no .grad kept), with units of every kind (the default split,
+        nested named ones with a weight tied across units, whole tensors kept to the backward
+        with two forwards before it, a unit whose output reaches the loss on rank 0 only); a
+        checkpoint of its state resumed by a torch AdamW on a model sharded anew."""
+        for label, how in (("default", dict(reduce="avg")), ("named_tied", dict(units=NAMED_UNITS, prefetch=2)),
+                           ("two_forwards", dict(reshard_after_forward=False)), ("not_reaching", dict(prefetch=0))):
+            self.check(f"in_backward:R{self.R}:{label}", lambda how=how, label=label: self._in_backward(label, how))
+        self.check(f"in_backward:R{self.R}:checkpoint", self._in_backward_checkpoint)
+
+    def _in_backward_run(self, how: dict, steps: int, tied: bool = False, two: bool = False,
+                         branch: bool = False) -> tuple:
+        m, ref = (Branched(0), Branched(0)) if branch else (Stack(0), Stack(0))
+        if tied:
+            for model in (m, ref):
+                model.blocks[2][0].weight = model.blocks[0][0].weight
+        how = {"reduce": "sum", **how}
+        sh = ct.shard(m, **STACK_SHARDING, **how)  # type: ignore[arg-type]
+        opt, ropt = sh.adamw_in_backward(lr=1e-2, weight_decay=0.1), adamw(ref)
+        scale = self.R if how["reduce"] == "avg" else 1
+        errs: list[float] = []
+        for t in range(steps):
+            x, y, lo, hi = self._batch(t)
+            if two:
+                mid = (lo + hi) // 2
+                loss = sum(((m(x[a:b]) - y[a:b]) ** 2).sum() for a, b in ((lo, mid), (mid, hi))) / B
+            elif branch:  # blocks.1's output feeds the loss on rank 0 only (its backward ends last elsewhere)
+                loss = ((m(x[lo:hi], self.rank == 0) - y[lo:hi]) ** 2).sum() / B
+            else:
+                loss = ((m(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B
+            (loss * scale).backward()
+            opt.step()
+            errs += [1.0 for p in m.parameters() if p.grad is not None]  # (no gradient is kept)
+            ropt.zero_grad()
+            if branch:
+                parts = [slice_range(B, self.R, r) for r in range(self.R)]
+                (sum(((ref(x[a:b], r == 0) - y[a:b]) ** 2).sum() for r, (a, b) in enumerate(parts)) / B).backward()
+            else:
+                (((ref(x) - y) ** 2).sum() / B).backward()
+            ropt.step()
+        whole = sh.state_dict(rank0_only=False)
+        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+        return errs, sh, opt, ref, ropt
+
+    def _in_backward(self, label: str, how: dict) -> str | None:
+        errs = self._in_backward_run(how, 4, tied=label == "named_tied", two=label == "two_forwards",
+                                     branch=label == "not_reaching")[0]
+        return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
+
+    def _in_backward_checkpoint(self) -> str | None:
+        """Saved after 3 steps in the backward, loaded into a torch AdamW stepping a model sharded
+        anew (the same state format): a fourth step as one process takes it."""
+        errs, sh, opt, ref, ropt = self._in_backward_run({}, 3)
+        path = Path(self.comm.bcast(tempfile.mkdtemp() if self.rank == 0 else None)) / "in_backward.pt"
+        sh.save(path, optimizer=opt)
+        m2 = Stack(5)
+        sh2 = ct.shard(m2, reduce="sum", **STACK_SHARDING)  # type: ignore[arg-type]
+        opt2 = adamw(m2)
+        sh2.load(path, optimizer=opt2)
+        x, y, lo, hi = self._batch(3)
+        opt2.zero_grad()
+        (((m2(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B).backward()
+        opt2.step()
+        ropt.zero_grad()
+        (((ref(x) - y) ** 2).sum() / B).backward()
+        ropt.step()
+        whole = sh2.state_dict(rank0_only=False)
+        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+        self.comm.barrier()
+        if self.rank == 0:
+            shutil.rmtree(path.parent)
         return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
 
     def unit_memory(self) -> None:
@@ -643,7 +750,7 @@ def run(argv: list[str], comm) -> int:
     w = Worker(comm)
     plain: dict[str, Callable[[], None]] = {
         "roundtrip": w.roundtrip, "train": w.train, "program": w.program, "partial": w.partial,
-        "units": w.units, "unit_memory": w.unit_memory, "absent": lambda: absent(comm), "errors": w.errors}
+        "units": w.units, "in_backward": w.in_backward, "unit_memory": w.unit_memory, "absent": lambda: absent(comm), "errors": w.errors}
     for mode in argv:
         name, _, rest = mode.partition(":")
         if name in plain:

@@ -64,6 +64,8 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "collectives": ({"N": 7, "M": 5}, ("N", "M")),
     "clipped_sgd": ({"N": 17}, ("N",)),
     "adamw": ({"N": 17}, ("N",)),
+    "adamw_shard": ({"N": 17}, ("N",)),
+    "adamw_whole": ({"N": 17}, ("N",)),
     "scaled_adam": ({"N": 17}, ("N",)),
     "amax_scale": ({"N": 17}, ("N",)),
     "row_parallel": ({"B": 2, "S": 5, "K": 7, "H": 4}, ("K", "H")),

@@ -32,7 +32,7 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
     the group has more than one rank); otherwise sizes that 2, 3 and 4 do not divide."""
     s = max(1, gs - 1)
     if program in ("sgd", "adam", "adamw", "lamb", "mixed_adam", "mixed_adam_bf16", "clipped_sgd", "scaled_adam",
-                   "amax_scale"):
+                   "amax_scale", "adamw_shard", "adamw_whole"):
         return {"N": s if small else 13}
     if program == "mlp_out":  # K sliced (row-parallel), S sliced (split on dim 1)
         return {"B": 2, "S": s, "K": s, "H": 3} if small else {"B": 2, "S": 5, "K": 7, "H": 6}

@@ -38,32 +38,37 @@ def built():
     compile_cpu(with_grads(load_file(TP_MLP), ["tp_mlp"]), log=lambda msg: None)
 
 
+@pytest.fixture(scope="module")
+def in_backward_built():
+    """examples/adamw_sharded.ccn's module (adamw_in_backward's), built once before the ranks
+    load it (the same module tests/test_cpu_backend.py builds)."""
+    import coconetc
+    coconetc.load(REPO / "examples" / "adamw_sharded.ccn", log=lambda msg: None)
+
+
+# each mode's OK lines (after "MODE:R{R}:"), where it prints more than its own name
+CHECKS = {
+    "roundtrip": ["parts", "full", "gathered", "gathered_modifier_rank", "state_dict"],
+    "train": ["sum", "avg"],
+    "program": ["tp_mlp"],
+    "units": [f"reshard={r}:prefetch={p}" for r in (True, False) for p in (0, 1, 2)] + ["named", "two_forwards",
+                                                                                        "not_reaching"],
+    "unit_memory": [f"prefetch={p}" for p in (0, 1, 2)] + ["kept"],
+    "in_backward": ["default", "named_tied", "two_forwards", "not_reaching", "checkpoint"],
+}
+
+
 def labels(R: int, modes: list[str]) -> list[str]:
     """The OK lines the worker's MODES print on R ranks."""
     out = []
     for mode in modes:
         name, _, rest = mode.partition(":")
-        if name == "roundtrip":
-            out += [f"roundtrip:R{R}:{w}" for w in ("parts", "full", "gathered", "gathered_modifier_rank", "state_dict")]
-        elif name == "train":
-            out += [f"train:R{R}:sum", f"train:R{R}:avg"]
-        elif name == "save":
-            out.append(f"save:R{R}")
-        elif name == "load":
-            out.append(f"load:R{rest.rpartition(':')[2]}->R{R}")
-        elif name == "opt_save":
-            out.append(f"opt_save:R{R}")
-        elif name == "opt_load":
-            out.append(f"opt_load:R{rest.rpartition(':')[2]}->R{R}")
-        elif name == "program":
-            out.append(f"program:R{R}:tp_mlp")
-        elif name == "partial":
-            out.append(f"partial:R{R}")
-        elif name == "units":
-            out += [f"units:R{R}:reshard={r}:prefetch={p}" for r in (True, False) for p in (0, 1, 2)]
-            out += [f"units:R{R}:named", f"units:R{R}:two_forwards"]
-        elif name == "unit_memory":
-            out += [f"unit_memory:R{R}:prefetch={p}" for p in (0, 1, 2)] + [f"unit_memory:R{R}:kept"]
+        if name in CHECKS:
+            out += [f"{name}:R{R}:{c}" for c in CHECKS[name]]
+        elif name in ("save", "opt_save", "partial"):
+            out.append(f"{name}:R{R}")
+        elif name in ("load", "opt_load"):
+            out.append(f"{name}:R{rest.rpartition(':')[2]}->R{R}")
         else:
             out += [f"errors:R{R}:{e}" for e in ERRORS_EVERY_R + (ERRORS_SEVERAL_R if R > 1 else [])]
     return out
@@ -94,12 +99,15 @@ def test_sharded_parameters_on_R_ranks(built, capfd, tmp_path, R):
 
 
 @pytest.mark.parametrize("R", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_units_gather_one_at_a_time_and_train_like_one_process(capfd, R):
-    """Units (the default split, named nested ones, a weight tied across units), both reshard
-    settings and prefetch 0 to 2: gradients and 5 AdamW steps against one process; with
-    reshard_after_forward=True the whole weights alive at any layer's forward or backward are at
-    most the largest prefetch+1 units'."""
-    _job(capfd, R, "units", "unit_memory")
+def test_units_gather_one_at_a_time_and_train_like_one_process(capfd, in_backward_built, R):
+    """Units (the default split, named nested ones, a weight tied across units, a branch that
+    reaches the loss on one rank only), both reshard settings and prefetch 0 to 2: gradients and
+    5 AdamW steps against one process; with reshard_after_forward=True the whole weights alive at
+    any layer's forward or backward are at most the largest prefetch+1 units'. AdamW inside the
+    backward (adamw_in_backward: examples/adamw_sharded.ccn's fused reduce-scatter) on the same
+    kinds of units against torch.optim.AdamW in one process, no gradient kept, and its
+    checkpoint resumed by a torch AdamW."""
+    _job(capfd, R, "units", "unit_memory", "in_backward")
 
 
 def test_checkpoints_across_rank_counts(capfd, tmp_path):
@@ -135,7 +143,7 @@ def test_the_page_runs_as_written(capfd, tmp_path):
             res = ranks_run(int(m.group(1)), args, timeout=300)
             assert res.returncode == 0, f"{line}\n--- stdout\n{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
             runs += 1
-    assert runs == 2
+    assert runs == 3
 
 
 # --- on one rank, in this process ----------------------------------------------------------------
@@ -216,7 +224,7 @@ def test_shard_argument_errors(kwargs, error, needle):
     assert needle in str(err.value)
 
 
-def test_handle_errors():
+def test_handle_errors(in_backward_built):
     m = torch.nn.Sequential(torch.nn.Linear(2, 3))
     steps = torch.arange(4)
     m.register_parameter("steps", torch.nn.Parameter(steps.clone(), requires_grad=False))  # no gradient: sharded too
@@ -237,6 +245,16 @@ def test_handle_errors():
                 pass
         with pytest.raises(RuntimeError, match="not inside gathered"):
             sh.state_dict()
+    # the update inside the backward: a trainable parameter of another dtype is refused, naming
+    # it; a second call is refused, saying what to change instead
+    wide = ct.shard(torch.nn.Sequential(torch.nn.Linear(2, 3).double()))
+    with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"):
+        wide.adamw_in_backward()
+    assert wide.units.in_backward is None
+    opt = sh.adamw_in_backward(lr=0.5)
+    assert opt.param_groups[0]["lr"] == 0.5 and len(opt.param_groups[0]["params"]) == 2  # (not the frozen steps)
+    with pytest.raises(ValueError, match="called already: change the returned optimizer's param_groups"):
+        sh.adamw_in_backward()
 
 
 # --- last: it ends the job of its ranks (their pool starts again for the next test) ---------------

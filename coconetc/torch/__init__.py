@@ -47,6 +47,9 @@ The package, a file per story:
   sharded.py         shard / Sharded: a model's parameters kept sharded between steps (each
                      rank its slice_range of a dim), gathered for the forward, gradients
                      reduce-scattered, whole-tensor checkpoints on any rank count
+  units.py           its units: gathered one at a time, their gradients reduce-scattered
+  in_backward.py     Sharded.adamw_in_backward: AdamW inside the backward, fused into each
+                     unit's reduce-scatter (examples/adamw_sharded.ccn)
   parts.py           what it computes with: each rank's part, agreeing, the collectives
   optim_state.py     a torch optimizer's state over the parts, whole, and back on any ranks
   params.py          what they share: the module loaded once, arguments bound and on the

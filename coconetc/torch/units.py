@@ -18,7 +18,8 @@ backward ends (its `_Gather` node: every use of its whole tensors done) the whol
 freed and its gradients' reduce-scatter (and the whole parameters' all-reduce) starts,
 non-blocking; it is waited for when the next unit's starts (one unit's gradient buffers in flight
 at a time), the last at the end of the backward by a callback; each writes (accumulates) the
-parts' .grad.
+parts' .grad. With Sharded.adamw_in_backward, a unit's gradients go to its update instead
+(in_backward.py: the fused reduce-scatter, no .grad).
 
 Each unit has a communicator of its own (a Dup of the handle's), so that the ranks may start the
 units' collectives in different orders (a unit whose backward did not run on a rank is caught up
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -76,6 +77,14 @@ class _Reduction:
     keep: list[Any]  # the send buffers, alive until the requests end
 
 
+class InBackward(Protocol):
+    """What takes a unit's gradients instead of the reduction (in_backward.py's update)."""
+
+    def gradients(self, run: Run, grads: list[torch.Tensor | None]) -> None: ...
+
+    def backward_ended(self) -> None: ...
+
+
 class _Gather(torch.autograd.Function):
     """Forward: a unit's whole tensors (its all-gather finished; its whole parameters as they
     are). Backward: the unit's backward has ended: its whole tensors freed, its gradients'
@@ -116,6 +125,7 @@ class Units:
         self.ran: list[Unit] = []  # the units this forward has run
         self.pending: list[_Reduction] = []
         self.queued = False  # the end-of-backward callback is queued
+        self.in_backward: InBackward | None = None  # the update inside the backward, if asked
 
     def specs(self, u: Unit) -> list[Spec]:
         return [self.parts.specs[n] for n in u.names]
@@ -260,33 +270,40 @@ class Units:
                     self.start_gather(r.unit)
         self.finish_gather(run.unit, into=run)
 
-    def backward_ended(self, run: Run, grads: list[torch.Tensor | None]) -> None:
+    def backward_ended(self, run: Run, grads: list[torch.Tensor | None], wait: bool = True) -> None:
         """RUN's backward has ended (its _Gather node ran): whole tensors freed, reduction started."""
         self._queue()
         run.done = True
         self.free(run)
-        self.start_reduce(run, grads)
+        self.start_reduce(run, grads, wait)
 
     def after_backward(self) -> None:
         """The end of the backward: a run whose backward did not run here (its outputs did not
         reach the loss on this rank) joins its collectives with no gradients; then every
         reduction is waited for and the parts' gradients written."""
-        for r in [ref() for ref in self.runs]:
+        for r in reversed([ref() for ref in self.runs]):  # (the order a backward reaches them in)
             if r is not None and not r.done:
                 if r.freed:
                     self.finish_gather(r.unit, into=r)  # (the other ranks gathered it again)
-                self.backward_ended(r, [None] * len(r.unit.names))
+                # (no reduction waited for until every run has started its own: another rank's
+                # backward may reach this one's units before its last one's reduction starts)
+                self.backward_ended(r, [None] * len(r.unit.names), wait=False)
         self.runs = []
         self.queued = False
         self.flush()
+        if self.in_backward is not None:
+            self.in_backward.backward_ended()
 
     # --- gradients -----------------------------------------------------------------------------
-    def start_reduce(self, run: Run, grads: list[torch.Tensor | None]) -> None:
+    def start_reduce(self, run: Run, grads: list[torch.Tensor | None], wait: bool = True) -> None:
         """U's wanted gradients summed over the ranks, non-blocking: which exist on some rank (an
         all-reduce of flags), the sharded ones reduce-scattered to the parts, the whole ones
         all-reduced; in float32 (float64 for float64 parameters), one collective of each kind
         per such dtype. A gradient missing here counts as zeros."""
         from mpi4py import MPI
+        if self.in_backward is not None:
+            self.in_backward.gradients(run, grads)  # (the gradients go into the update, not to .grad)
+            return
         p, u = self.parts, run.unit
         wanted = [i for i, w in enumerate(run.wanted) if w]
         if not wanted:
@@ -331,7 +348,8 @@ class Units:
                     where[i] = flat[at:at + int(np.prod(specs[i].shape))].view(specs[i].shape)
                     at += where[i].numel()
         self.pending.append(_Reduction(u, reqs, flags, wanted, where, keep))
-        self.flush(leave=1)  # (the earlier ones had a unit's backward to progress: their buffers go)
+        if wait:
+            self.flush(leave=1)  # (the earlier ones had a unit's backward to progress: their buffers go)
 
     def flush(self, leave: int = 0) -> None:
         """Every reduction under way but the last LEAVE waited for, in the order started, and its
