@@ -1,13 +1,14 @@
 """Sharded parameters on 2 ranks, memory and speed side by side: a nanoGPT of about 20M
 parameters (bench/nanogpt.py: d 512, 6 layers, 8 heads, vocabulary 2048, head tied to the token
-embedding; f32), data parallel on random tokens, AdamW(fused=True) (nanoGPT's two groups), in
-six ways:
+embedding; f32), data parallel on random tokens, AdamW (nanoGPT's two groups), in seven ways:
 
   * coconetc.torch.shard (parameters, gradients and AdamW's state sharded over the ranks, MPI),
     gathered a unit at a time (each block a unit, the rest the root's), prefetch 1, resharded
     after each block's forward (the defaults); the same with prefetch 0
   * the same with reshard_after_forward=False (each block's whole weights kept for its backward)
   * the same as one unit (units=[]: the whole model gathered for the step)
+  * the defaults with AdamW inside the backward (adamw_in_backward: each unit's update fused
+    into the reduce-scatter of its gradients, no gradient stored)
   * torch FSDP2: fully_shard on each block, then on the model (gloo)
   * DDP (gloo): every rank holds everything
 
@@ -54,9 +55,11 @@ SHARD = "coconetc.torch.shard, units, prefetch 1 + AdamW(fused)"
 SHARD_P0 = "coconetc.torch.shard, units, prefetch 0 + AdamW(fused)"
 SHARD_KEPT = "coconetc.torch.shard, units, reshard_after_forward=False + AdamW(fused)"
 SHARD_ONE = "coconetc.torch.shard, one unit + AdamW(fused)"
+SHARD_IN_BW = "coconetc.torch.shard, units, prefetch 1, AdamW inside the backward (adamw_in_backward)"
 FSDP2, DDP = "FSDP2 fully_shard (gloo) + AdamW(fused)", "DDP (gloo) + AdamW(fused)"
-VARIANTS = (SHARD, SHARD_P0, SHARD_KEPT, SHARD_ONE, FSDP2, DDP)
-SHARDINGS = {SHARD: {}, SHARD_P0: {"prefetch": 0}, SHARD_KEPT: {"reshard_after_forward": False}, SHARD_ONE: {"units": []}}
+VARIANTS = (SHARD, SHARD_P0, SHARD_KEPT, SHARD_ONE, SHARD_IN_BW, FSDP2, DDP)
+SHARDINGS = {SHARD: {}, SHARD_P0: {"prefetch": 0}, SHARD_KEPT: {"reshard_after_forward": False}, SHARD_ONE: {"units": []},
+             SHARD_IN_BW: {}}
 MIB = 1 << 20
 
 
@@ -67,12 +70,15 @@ def base_model() -> Any:
     return GPT(GPTConfig(**CONFIG))
 
 
-def adamw(model: Any) -> Any:
-    """nanoGPT's two groups (decay on the 2-D parameters), fused."""
+def adamw(model: Any, in_backward: bool = False) -> Any:
+    """nanoGPT's two groups (decay on the 2-D parameters): torch's fused AdamW, or (IN_BACKWARD)
+    coconet's inside the backward of the sharded MODEL."""
     import torch
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if in_backward:
+        return model._coconet_sharded.adamw_in_backward(groups, **HP)
     return torch.optim.AdamW(groups, fused=True, **HP)
 
 
@@ -102,7 +108,7 @@ class Variant:
     def __init__(self, name: str, comm: Any, batches: Any):
         self.model = base_model()
         self.call = wrap(name, self.model, comm)
-        self.opt = adamw(self.model)
+        self.opt = adamw(self.model, in_backward=name == SHARD_IN_BW)
         self.batches, self.k = batches, 0
 
     def __call__(self) -> float:

@@ -178,6 +178,12 @@ class Chain(torch.nn.Module):
         return x
 
 
+def two_groups(m: torch.nn.Module) -> list[dict]:
+    """nanoGPT's param groups: weight decay on the matrices only."""
+    ps = list(m.parameters())
+    return [{"params": [p for p in ps if p.dim() >= 2]}, {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -414,7 +420,8 @@ class Worker:
         return f"max |difference| {max(errs):.3g} > {TOL}" if max(errs) > TOL else None
 
     def in_backward(self) -> None:
-        """adamw_in_backward: 4 steps against torch.optim.AdamW in one process (each unit updated
+        """adamw_in_backward: 4 steps against torch.optim.AdamW in one process, nanoGPT's two param
+        groups (weight decay on the matrices only; each unit updated
         inside its backward, no .grad kept), with units of every kind (the default split,
         nested named ones with a weight tied across units, whole tensors kept to the backward
         with two forwards before it, a unit whose output reaches the loss on rank 0 only); a
@@ -432,7 +439,8 @@ class Worker:
                 model.blocks[2][0].weight = model.blocks[0][0].weight
         how = {"reduce": "sum", **how}
         sh = ct.shard(m, **STACK_SHARDING, **how)  # type: ignore[arg-type]
-        opt, ropt = sh.adamw_in_backward(lr=1e-2, weight_decay=0.1), adamw(ref)
+        opt = sh.adamw_in_backward(two_groups(m), lr=1e-2, weight_decay=0.1)
+        ropt = torch.optim.AdamW(two_groups(ref), lr=1e-2, weight_decay=0.1)
         scale = self.R if how["reduce"] == "avg" else 1
         errs: list[float] = []
         for t in range(steps):
@@ -471,7 +479,7 @@ class Worker:
         sh.save(path, optimizer=opt)
         m2 = Stack(5)
         sh2 = ct.shard(m2, reduce="sum", **STACK_SHARDING)  # type: ignore[arg-type]
-        opt2 = adamw(m2)
+        opt2 = torch.optim.AdamW(two_groups(m2), lr=1.0)  # (lr and weight decay: the checkpoint's)
         sh2.load(path, optimizer=opt2)
         x, y, lo, hi = self._batch(3)
         opt2.zero_grad()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,19 +44,28 @@ class _Backward:
 
 
 class AdamWInBackward(torch.optim.Optimizer):
-    """What Sharded.adamw_in_backward() returns: a torch optimizer (one param group: the
-    module's parameters; lr, betas, eps and weight_decay as torch.optim.AdamW's, read at each
-    unit's update, so a learning-rate scheduler works) whose state is torch.optim.AdamW's (step,
+    """What Sharded.adamw_in_backward() returns: a torch optimizer (its param groups: the
+    module's trainable parameters, or those given; lr, betas, eps and weight_decay as
+    torch.optim.AdamW's, per group, read at each unit's update, so a learning-rate scheduler
+    works) whose state is torch.optim.AdamW's (step,
     exp_avg, exp_avg_sq, shaped as this rank's parts), so that Sharded.save/load and
     optim_state_dict take it as they take an AdamW. Its step() updates nothing: the backward
     did (a training loop that calls it, and a scheduler that wants it called, work as before)."""
 
-    def __init__(self, units: Units, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+    def __init__(self, units: Units, params: Any, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
         import coconetc
         from coconetc.paths import source_path
-        params = [t for t in units.parts._params.values() if t.requires_grad]
+        if params is None:
+            params = [t for t in units.parts._params.values() if t.requires_grad]
         super().__init__(params, dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
                                       weight_decay=float(weight_decay)))
+        mine = {id(t) for t in units.parts._params.values()}
+        for g, group in enumerate(self.param_groups):
+            for k, t in enumerate(group["params"]):
+                if id(t) not in mine:
+                    raise ValueError(f"param group {g} holds a tensor that is not one of the sharded module's "
+                                     f"parameters (its {k}th, shaped {tuple(t.shape)})")
         self._units = units
         self._mod = coconetc.load(source_path(SOURCE), log=lambda msg: None)
         self._backward: _Backward | None = None
@@ -84,7 +93,9 @@ class AdamWInBackward(torch.optim.Optimizer):
         for i, g in enumerate(grads):
             if g is not None and run.wanted[i]:
                 have = acc[i]
-                acc[i] = g.detach().clone() if have is None else have.add_(g)
+                # (autograd is done with G: kept as it is, and summed into in place where this
+                # unit ran more than once)
+                acc[i] = g.detach() if have is None else have.add_(g)
         if any(r.unit is u and not r.done and r is not run for r in live):
             return  # (another forward of this unit has its backward still to come)
         bw.complete.add(u)
@@ -105,28 +116,32 @@ class AdamWInBackward(torch.optim.Optimizer):
     def _update(self, u: Unit, grads: list[torch.Tensor | None]) -> None:
         p = self._units.parts
         specs = [p.specs[n] for n in u.names]
-        mine = {id(t) for t in self.param_groups[0]["params"]}
-        wanted = [i for i, s in enumerate(specs) if p._params[s.name].requires_grad and id(p._params[s.name]) in mine]
+        group_of = {id(t): g for g, group in enumerate(self.param_groups) for t in group["params"]}
+        wanted = [i for i, s in enumerate(specs) if p._params[s.name].requires_grad and id(p._params[s.name]) in group_of]
         for i in wanted:
             t = p._params[specs[i].name]
             if not self.state[t]:
                 self.state[t] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(t.detach()),
                                  "exp_avg_sq": torch.zeros_like(t.detach())}
-        # one call for each kind (sharded, whole) and step count (a parameter frozen for a while
-        # has counted fewer steps): the same groups on every rank
-        groups: dict[tuple[bool, int], list[int]] = {}
+        # one call for each kind (sharded, whole), param group and step count (a parameter
+        # frozen for a while has counted fewer steps): the same calls on every rank
+        groups: dict[tuple[bool, int, int], list[int]] = {}
         for i in wanted:
-            step = int(self.state[p._params[specs[i].name]]["step"].item()) + 1
-            groups.setdefault((specs[i].dim is not None, step), []).append(i)
-        h = self.param_groups[0]
+            t = p._params[specs[i].name]
+            step = int(self.state[t]["step"].item()) + 1
+            groups.setdefault((specs[i].dim is not None, group_of[id(t)], step), []).append(i)
         scale = 1 / p.ranks if p.reduce == "avg" else 1.0
-        for (cut, step), idx in groups.items():
+        for (cut, g, step), idx in groups.items():
+            h = self.param_groups[g]
             args = dict(scale=scale, lr=float(h["lr"]), beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
                         eps=float(h["eps"]), wd=float(h["weight_decay"]), step=float(step))
+            mine = [grads[i] for i in idx]
+            for i in idx:
+                grads[i] = None  # (each whole gradient goes once copied into the call's buffer)
             if cut:
-                self._sharded(u, [specs[i] for i in idx], [grads[i] for i in idx], args)
+                self._sharded(u, [specs[i] for i in idx], mine, args)
             else:
-                self._whole(u, [specs[i] for i in idx], [grads[i] for i in idx], args)
+                self._whole(u, [specs[i] for i in idx], mine, args)
             for i in idx:
                 self.state[p._params[specs[i].name]]["step"].fill_(float(step))
 
@@ -142,6 +157,7 @@ class AdamWInBackward(torch.optim.Optimizer):
                 if g is not None and n:
                     send[at:at + n] = g[part_index(s.shape, s.dim, R, r)].reshape(-1)
                 at += n
+        grads.clear()
         flat = [torch.zeros(C, dtype=torch.float32) for _ in range(3)]
         self._pack(specs, flat)
         self._mod.adamw_shard(schedule="fused", comm=u.comm, g=send, w=flat[0], m=flat[1], v=flat[2], **args)
@@ -151,6 +167,7 @@ class AdamWInBackward(torch.optim.Optimizer):
         n = sum(math.prod(s.shape) for s in specs)
         g = torch.cat([(torch.zeros(s.shape) if gr is None else gr).reshape(-1) for s, gr in zip(specs, grads)]) \
             if n else torch.zeros(0)
+        grads.clear()
         flat = [torch.zeros(n, dtype=torch.float32) for _ in range(3)]
         self._pack(specs, flat)
         self._mod.adamw_whole(comm=u.comm, g=g.to(torch.float32).contiguous(), w=flat[0], m=flat[1], v=flat[2], **args)

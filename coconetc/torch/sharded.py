@@ -321,16 +321,18 @@ class Sharded(Parts):
         Collective."""
         optim_state.load_optim_state_dict(self, optimizer, state_dict)
 
-    def adamw_in_backward(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                          weight_decay: float = 1e-2) -> torch.optim.Optimizer:
+    def adamw_in_backward(self, params: Any = None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                          eps: float = 1e-8, weight_decay: float = 1e-2) -> torch.optim.Optimizer:
         """From now on every backward also steps the module with AdamW (torch.optim.AdamW's
         arguments and update), each unit's parameters as soon as its gradients are made: the
         sharded ones inside the reduce-scatter of their gradients (examples/adamw_sharded.ccn,
         one fused collective a unit), the whole ones after their all-reduce. No gradient is
         stored (.grad stays None) and there is nothing left to step after the backward.
-        Returns the optimizer that holds AdamW's state and hyperparameters (one param group:
-        change its lr between steps, or give it to a learning-rate scheduler; pass it to
-        save/load/optim_state_dict); its step() does nothing. No global-norm clipping: see
+        PARAMS: the module's parameters to step, or param groups (dicts, as torch.optim's
+        first argument: nanoGPT's two, with and without weight decay); default every
+        trainable parameter in one group. Returns the optimizer that holds AdamW's state and
+        hyperparameters (change a group's lr between steps, or give it to a learning-rate
+        scheduler; pass it to save/load/optim_state_dict); its step() does nothing. No global-norm clipping: see
         docs/sharded_torch.md. The trainable parameters must be float32. Collective."""
         from coconetc.torch.in_backward import AdamWInBackward, check_parameters
 
@@ -339,7 +341,7 @@ class Sharded(Parts):
                 raise ValueError("adamw_in_backward() was called already: change the returned optimizer's "
                                  "param_groups[0] (lr, betas, eps, weight_decay) instead")
             check_parameters(self.units)
-            return AdamWInBackward(self.units, lr, betas, eps, weight_decay)
+            return AdamWInBackward(self.units, params, lr, betas, eps, weight_decay)
         opt = self._agree("adamw_in_backward()", local)
         self.units.in_backward = opt
         return opt
