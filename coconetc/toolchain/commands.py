@@ -28,7 +28,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -190,8 +190,10 @@ def cpu_units(name: str, src: cpu.Sources, libs: Libs, libs_key: str) -> artifac
     unit), cpu_key(), and libs_key: the extern libraries' (their headers, for the units)."""
     def run(out: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
-        binding, library = cpu_runtime(log)
-        cmd = [tc.mpicxx, f"-I{cpu_header(log)}", *_cpu_flags(libs.include_dirs)]
+        # (on a first build, the precompiled header beside the binding and the runtime library)
+        built: list[Any] = _in_parallel([functools.partial(cpu_runtime, log), functools.partial(cpu_header, log)])
+        (binding, library), header = built
+        cmd = [tc.mpicxx, f"-I{header}", *_cpu_flags(libs.include_dirs)]
         link = [*_runtime_link(library), *_blas(), "-Wl,--no-undefined", *(f"-L{d}" for d in libs.library_dirs),
                 *(f"-Wl,-rpath,{d}" for d in libs.library_dirs), *_libraries(libs)]
         units = {fn: str(so) for fn, so in _units(src.units, [*cpu_key(), libs_key], cmd, link, log).items()}
