@@ -32,17 +32,26 @@ def _run(*cmd: str | Path, cwd: Path, timeout: int = 600) -> subprocess.Complete
     return proc
 
 
-@pytest.mark.slow
-def test_pip_install_and_check_from_elsewhere(tmp_path: Path) -> None:
-    src, venv, work = tmp_path / "src", tmp_path / "venv", tmp_path / "work"
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, Path]:
+    """The checkout's files installed (`pip install SRC[cpu]`, not editable) into a fresh
+    virtualenv, the sources removed after: (the venv, a work directory outside both holding
+    adam.ccn)."""
+    tmp = tmp_path_factory.mktemp("install")
+    src, venv, work = tmp / "src", tmp / "venv", tmp / "work"
     _copy_sources(src)
     work.mkdir()
-    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
-    py, coconetc = venv / "bin" / "python", venv / "bin" / "coconetc"
-    _run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{src}[cpu]", cwd=tmp_path)
+    _run(sys.executable, "-m", "venv", venv, cwd=tmp)
+    _run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{src}[cpu]", cwd=tmp)
     shutil.rmtree(src)  # the installed package must not lean on the source tree
     shutil.copy(REPO / "examples" / "adam.ccn", work / "adam.ccn")
+    return venv, work
 
+
+@pytest.mark.slow
+def test_pip_install_and_check_from_elsewhere(installed: tuple[Path, Path]) -> None:
+    venv, work = installed
+    py, coconetc = venv / "bin" / "python", venv / "bin" / "coconetc"
     where = _run(py, "-c", "import coconetc, coconetc.paths as p; print(coconetc.__file__); "
                  "print(p.grammar_file()); print(p.runtime_dir()); print(p.source_path('adamw.ccn'))",
                  cwd=work).stdout.split()
@@ -57,10 +66,16 @@ def test_pip_install_and_check_from_elsewhere(tmp_path: Path) -> None:
     assert "adam.ccn: ok (1 programs: adam; 3 schedules)" in res.stdout
     res = _run(coconetc, "run", "adam.ccn", "--ranks", "3", "-s", "zero", "--interp", cwd=work, timeout=120)
     assert "matches the unscheduled program on every rank" in res.stdout
-    # the compiled path: templates and C++ runtime headers ship too (build cache inside tmp_path),
-    # built as a user's is, with the default options (the other tests build at -O0: conftest.py)
+
+
+@pytest.mark.slow
+def test_the_installed_package_compiles_as_a_user_builds(installed: tuple[Path, Path], tmp_path: Path) -> None:
+    """The compiled path from the install: templates and C++ runtime headers ship too (a build
+    cache of its own), built as a user's is, with the default options (the other tests build
+    at -O0: conftest.py)."""
+    venv, work = installed
     env = {**{k: v for k, v in os.environ.items() if k != "CXXFLAGS"}, "COCONET_CACHE": str(tmp_path / "cache")}
-    res = subprocess.run([coconetc, "run", "adam.ccn", "--ranks", "2", "-s", "zero", "--size", "N=11"],
+    res = subprocess.run([venv / "bin" / "coconetc", "run", "adam.ccn", "--ranks", "2", "-s", "zero", "--size", "N=11"],
                          cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "adam [zero]: 2 ranks" in res.stdout and "matches the interpreter on every rank" in res.stdout
