@@ -146,8 +146,7 @@ class AdamWInBackward(torch.optim.Optimizer):
                 self.state[p._params[specs[i].name]]["step"].fill_(float(step))
 
     def _sharded(self, u: Unit, specs: list, grads: list[torch.Tensor | None], args: dict[str, float]) -> None:
-        p = self._units.parts
-        R = p.ranks
+        R = self._units.parts.ranks
         C = max(sum(math.prod(s.part(R, r)) for s in specs) for r in range(R))
         send = torch.zeros(R * C, dtype=torch.float32)
         for r in range(R):
@@ -158,19 +157,19 @@ class AdamWInBackward(torch.optim.Optimizer):
                     send[at:at + n] = g[part_index(s.shape, s.dim, R, r)].reshape(-1)
                 at += n
         grads.clear()
-        flat = [torch.zeros(C, dtype=torch.float32) for _ in range(3)]
-        self._pack(specs, flat)
-        self._mod.adamw_shard(schedule="fused", comm=u.comm, g=send, w=flat[0], m=flat[1], v=flat[2], **args)
-        self._unpack(specs, flat)
+        self._call(self._mod.adamw_shard, u, specs, send, C, dict(args, schedule="fused"))
 
     def _whole(self, u: Unit, specs: list, grads: list[torch.Tensor | None], args: dict[str, float]) -> None:
-        n = sum(math.prod(s.shape) for s in specs)
-        g = torch.cat([(torch.zeros(s.shape) if gr is None else gr).reshape(-1) for s, gr in zip(specs, grads)]) \
-            if n else torch.zeros(0)
+        g = torch.cat([(torch.zeros(s.shape, dtype=torch.float32) if gr is None else gr).reshape(-1) for s, gr in zip(specs, grads)])
         grads.clear()
-        flat = [torch.zeros(n, dtype=torch.float32) for _ in range(3)]
+        self._call(self._mod.adamw_whole, u, specs, g, g.numel(), args)
+
+    def _call(self, program: Any, u: Unit, specs: list, g: torch.Tensor, size: int, args: dict[str, Any]) -> None:
+        """PROGRAM on U's communicator with gradient G and this rank's SPECS' parameters, m and v
+        laid end to end in vectors of SIZE elements (the updated ones copied back)."""
+        flat = [torch.zeros(size, dtype=torch.float32) for _ in range(3)]
         self._pack(specs, flat)
-        self._mod.adamw_whole(comm=u.comm, g=g.to(torch.float32).contiguous(), w=flat[0], m=flat[1], v=flat[2], **args)
+        program(comm=u.comm, g=g, w=flat[0], m=flat[1], v=flat[2], **args)
         self._unpack(specs, flat)
 
     def _tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

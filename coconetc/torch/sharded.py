@@ -332,14 +332,15 @@ class Sharded(Parts):
         first argument: nanoGPT's two, with and without weight decay); default every
         trainable parameter in one group. Returns the optimizer that holds AdamW's state and
         hyperparameters (change a group's lr between steps, or give it to a learning-rate
-        scheduler; pass it to save/load/optim_state_dict); its step() does nothing. No global-norm clipping: see
-        docs/sharded_torch.md. The trainable parameters must be float32. Collective."""
+        scheduler; pass it to save/load/optim_state_dict); its step() does nothing. No
+        global-norm clipping: see docs/sharded_torch.md. The trainable parameters must be
+        float32. Collective."""
         from coconetc.torch.in_backward import AdamWInBackward, check_parameters
 
         def local() -> AdamWInBackward:
             if self.units.in_backward is not None:
                 raise ValueError("adamw_in_backward() was called already: change the returned optimizer's "
-                                 "param_groups[0] (lr, betas, eps, weight_decay) instead")
+                                 "param_groups (each group's lr, betas, eps, weight_decay) instead")
             check_parameters(self.units)
             return AdamWInBackward(self.units, params, lr, betas, eps, weight_decay)
         opt = self._agree("adamw_in_backward()", local)
