@@ -178,6 +178,13 @@ class Chain(torch.nn.Module):
         return x
 
 
+def differences(sh, ref: torch.nn.Module) -> list[float]:
+    """The largest |difference| of each tensor of the sharded model's whole state dict (every
+    rank) from REF's."""
+    whole = sh.state_dict(rank0_only=False)
+    return [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+
+
 def two_groups(m: torch.nn.Module) -> list[dict]:
     """nanoGPT's param groups: weight decay on the matrices only."""
     ps = list(m.parameters())
@@ -322,8 +329,7 @@ class Worker:
         opt, ropt = adamw(m), adamw(ref)
         errs = self._steps_against(m, opt, ref, ropt, sh, 3, R if reduce == "avg" else 1)
         shapes = [tuple(opt.state[p]["exp_avg"].shape) == tuple(p.shape) for p in m.parameters()]
-        whole = sh.state_dict(rank0_only=False)
-        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+        errs += differences(sh, ref)
         with torch.no_grad():
             x = torch.randn(4, 7, generator=torch.Generator().manual_seed(9))
             errs.append((m(x) - ref(x)).abs().max().item())  # a forward without gradients
@@ -371,18 +377,22 @@ class Worker:
         m, ref = Branched(0), Branched(0)
         sh = ct.shard(m, reduce="sum", prefetch=0, **STACK_SHARDING)  # type: ignore[arg-type]
         opt, ropt = adamw(m), adamw(ref)
-        parts = [slice_range(B, self.R, r) for r in range(self.R)]
         for t in range(3):
             x, y, lo, hi = self._batch(t)
             opt.zero_grad()
             (((m(x[lo:hi], self.rank == 0) - y[lo:hi]) ** 2).sum() / B).backward()
             opt.step()
-            ropt.zero_grad()
-            (sum(((ref(x[a:b], r == 0) - y[a:b]) ** 2).sum() for r, (a, b) in enumerate(parts)) / B).backward()
-            ropt.step()
-        whole = sh.state_dict(rank0_only=False)
-        err = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+            self._branched_ref_step(ref, ropt, t)
+        err = max(differences(sh, ref))
         return f"max |difference| {err:.3g} > {TOL}" if err > TOL else None
+
+    def _branched_ref_step(self, ref: Branched, ropt: torch.optim.Optimizer, t: int) -> None:
+        """_ref_step for Branched: each rank's rows, the branch used for rank 0's only."""
+        x, y, _, _ = self._batch(t)
+        parts = [slice_range(B, self.R, r) for r in range(self.R)]
+        ropt.zero_grad()
+        (sum(((ref(x[a:b], r == 0) - y[a:b]) ** 2).sum() for r, (a, b) in enumerate(parts)) / B).backward()
+        ropt.step()
 
     def _two_forwards(self) -> str | None:
         """Two forwards (this rank's rows in two halves), then one backward of their sum."""
@@ -412,8 +422,7 @@ class Worker:
             return f"named units {got}"
         opt, ropt = adamw(m), adamw(ref)
         errs = self._steps_against(m, opt, ref, ropt, sh, 5)
-        whole = sh.state_dict(rank0_only=False)
-        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+        errs += differences(sh, ref)
         with torch.no_grad():
             x = torch.randn(4, 7, generator=torch.Generator().manual_seed(9))
             errs.append((m(x) - ref(x)).abs().max().item())
@@ -447,23 +456,18 @@ class Worker:
             x, y, lo, hi = self._batch(t)
             if two:
                 mid = (lo + hi) // 2
-                loss = sum(((m(x[a:b]) - y[a:b]) ** 2).sum() for a, b in ((lo, mid), (mid, hi))) / B
+                (sum(((m(x[a:b]) - y[a:b]) ** 2).sum() for a, b in ((lo, mid), (mid, hi))) / B * scale).backward()
             elif branch:  # blocks.1's output feeds the loss on rank 0 only (its backward ends last elsewhere)
-                loss = ((m(x[lo:hi], self.rank == 0) - y[lo:hi]) ** 2).sum() / B
+                (((m(x[lo:hi], self.rank == 0) - y[lo:hi]) ** 2).sum() / B * scale).backward()
             else:
-                loss = ((m(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B
-            (loss * scale).backward()
+                self._step(m, opt, t, scale)
             opt.step()
             errs += [1.0 for p in m.parameters() if p.grad is not None]  # (no gradient is kept)
-            ropt.zero_grad()
             if branch:
-                parts = [slice_range(B, self.R, r) for r in range(self.R)]
-                (sum(((ref(x[a:b], r == 0) - y[a:b]) ** 2).sum() for r, (a, b) in enumerate(parts)) / B).backward()
+                self._branched_ref_step(ref, ropt, t)
             else:
-                (((ref(x) - y) ** 2).sum() / B).backward()
-            ropt.step()
-        whole = sh.state_dict(rank0_only=False)
-        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+                self._ref_step(ref, ropt, t)
+        errs += differences(sh, ref)
         return errs, sh, opt, ref, ropt
 
     def _in_backward(self, label: str, how: dict) -> str | None:
@@ -481,15 +485,10 @@ class Worker:
         sh2 = ct.shard(m2, reduce="sum", **STACK_SHARDING)  # type: ignore[arg-type]
         opt2 = torch.optim.AdamW(two_groups(m2), lr=1.0)  # (lr and weight decay: the checkpoint's)
         sh2.load(path, optimizer=opt2)
-        x, y, lo, hi = self._batch(3)
-        opt2.zero_grad()
-        (((m2(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B).backward()
+        self._step(m2, opt2, 3)
         opt2.step()
-        ropt.zero_grad()
-        (((ref(x) - y) ** 2).sum() / B).backward()
-        ropt.step()
-        whole = sh2.state_dict(rank0_only=False)
-        errs += [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+        self._ref_step(ref, ropt, 3)
+        errs += differences(sh2, ref)
         self.comm.barrier()
         if self.rank == 0:
             shutil.rmtree(path.parent)
@@ -574,8 +573,7 @@ class Worker:
             opt.step()
             for t in range(3):
                 self._ref_step(ref, ropt, t)
-            whole = sh.state_dict(rank0_only=False)
-            errs = [(whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()]
+            errs = differences(sh, ref)
             steps = {float(opt.state[p]["step"]) for p in m.parameters()}
             if steps != {3.0} or opt.param_groups[0]["weight_decay"] != 0.1:
                 return f"steps {steps}, group {opt.param_groups[0]}"
