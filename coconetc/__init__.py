@@ -14,6 +14,11 @@ _hooks.install()
 # fused_shm.h) use osc/sm. Read at MPI_Init, so it only helps when MPI starts after this import
 # (coconetc's launcher sets it for the ranks it starts).
 _hooks.quiet_osc_ucx()
+# A process that starts MPI alone keeps its shared-memory segment in a directory of its own,
+# removed at exit (coconetc/launch/mpiexec.py, SEGMENTS).
+from coconetc.launch import mpiexec as _mpiexec  # noqa: E402
+
+_mpiexec.own_segments()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load", "trace"]
 
 

@@ -82,7 +82,7 @@ class Pool:
         self.jobs += 1
         out = self.dir / f"job{self.jobs}"
         line = json.dumps({"argv": [str(a) for a in argv], "out": str(out), "cwd": os.getcwd(),
-                           "env": environment(self.ranks)}) + "\n"
+                           "env": environment(self.ranks, segments=False)}) + "\n"
         for c in self.conns:
             assert c is not None
             c.sendall(line.encode())
@@ -167,11 +167,12 @@ def _read(p: Path) -> str:
         return ""
 
 
-def environment(ranks: int) -> dict[str, str]:
+def environment(ranks: int, segments: bool = True) -> dict[str, str]:
     """The ranks' environment: mpiexec's, with waiting ranks yielding their core (the tests run
     two pytest workers, each starting ranks, on as many cores: always more ranks than cores; a
-    rank spinning in MPI would slow the emulation's stream threads beside it)."""
-    return {**mpiexec.environment(ranks), "OMPI_MCA_mpi_yield_when_idle": "1"}
+    rank spinning in MPI would slow the emulation's stream threads beside it). SEGMENTS: for a
+    job of new ranks (mpiexec.environment)."""
+    return {**mpiexec.environment(ranks, segments=segments), "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 def _own() -> tuple[tuple[str, str], ...]:

@@ -5,12 +5,14 @@ schedule's results differ from the program's."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import rank_pool
 from click.testing import CliRunner, Result
 
 from coconetc import cli
@@ -625,6 +627,30 @@ def test_ranks_of_this_machine_leave_out_the_network_transport(monkeypatch) -> N
     assert "OMPI_MCA_btl" not in mpiexec.environment(2, local=False)
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
     assert mpiexec.environment(2)["OMPI_MCA_btl"] == "self,tcp"
+
+
+def test_every_job_has_its_own_shared_memory_segments(monkeypatch, tmp_path) -> None:
+    """Open MPI names a job's shared-memory segments by a 16-bit hash of the job: each job
+    started here (and this process, imported coconetc outside a job) gets a directory of its
+    own, a new job a new one even where a parent coconet process set its own; a user's is kept;
+    a rank of a job keeps the job's. Two ranks started with one see each other's segments there."""
+    from coconetc.launch import mpiexec
+    if not mpiexec._is_open_mpi():
+        pytest.skip("an Open MPI setting")
+    mine = os.environ[mpiexec.SEGMENTS]  # (set at import: the pytest worker is no rank)
+    one, two = (mpiexec.environment(2)[mpiexec.SEGMENTS] for _ in range(2))
+    assert len({mine, one, two}) == 3 and all(Path(d).is_dir() for d in (mine, one, two))
+    for kept in (mpiexec.environment(2, local=False), mpiexec.environment(2, segments=False)):
+        assert kept[mpiexec.SEGMENTS] == mine
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    mpiexec.own_segments()
+    assert os.environ[mpiexec.SEGMENTS] == mine
+    monkeypatch.setenv(mpiexec.SEGMENTS, str(tmp_path))
+    assert mpiexec.environment(2)[mpiexec.SEGMENTS] == str(tmp_path)
+    res = rank_pool.fresh(2, ["-c", "import os; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
+                          "print(sorted(os.listdir(os.environ['OMPI_MCA_btl_sm_backing_directory'])))"], timeout=120)
+    assert res[0] == 0, res
+    assert res[1].count("sm_segment.") == 4, res
 
 
 @pytest.mark.parametrize("label, plan", [("default", "default"), ("zero", "zero"), ("zero@p2p", "zero")])

@@ -7,7 +7,6 @@ line "N passed, M failed".  It runs with 1, 2, 3 and 4 ranks (oversubscribed on 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import rank_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "runtime_cpp" / "tests"
@@ -61,12 +61,10 @@ def build_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMPI_MCA_mpi_yield_when_idle"] = "1"  # ranks share cores: do not spin
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env.setdefault("OMPI_MCA_osc", "^ucx")  # coconetc.runtime.hooks.quiet_osc_ucx
-    return env
+def _env(ranks: int) -> dict[str, str]:
+    """The tests' ranks' environment (rank_pool.environment: a job's, waiting ranks yielding
+    their core), with one BLAS thread a rank."""
+    return {**rank_pool.environment(ranks), "OPENBLAS_NUM_THREADS": "1"}
 
 
 def _summary(stdout: str) -> tuple[int, int]:
@@ -81,7 +79,7 @@ def _run_suite(build_dir: Path, ranks: int, **env: str) -> None:
     and reports no failure among more than 1000 checks."""
     exe = build_dir / "coconet_runtime_tests"
     cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
-    proc = _run(cmd, RUN_TIMEOUT, env={**_env(), **env})
+    proc = _run(cmd, RUN_TIMEOUT, env={**_env(ranks), **env})
     log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, log
     passed, failed = _summary(proc.stdout)
@@ -123,7 +121,7 @@ def test_failing_rank_stops_the_job(build_dir: Path, mode: str, message: str):
     collective) ends every rank at once with the rank's message, instead of a hang."""
     exe = build_dir / "coconet_abort_check"
     cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", "3", str(exe), mode]
-    proc = _run(cmd, RUN_TIMEOUT, env=_env())
+    proc = _run(cmd, RUN_TIMEOUT, env=_env(3))
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
     assert "not aborted" not in proc.stdout
