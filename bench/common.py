@@ -7,8 +7,10 @@ a table runs in the same processes, one after the other, at every size."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -85,8 +87,9 @@ def one_rank_group(backend: str) -> Any:
     """A one-rank torch.distributed process group (BACKEND: nccl on a GPU, gloo without one),
     its rendezvous a file in a fresh temporary folder: the communicator of a one-process run."""
     import torch.distributed as dist
-    dist.init_process_group(backend, init_method=f"file://{tempfile.mkdtemp(prefix='coconet_bench_pg_')}/rendezvous",
-                            rank=0, world_size=1)
+    folder = tempfile.mkdtemp(prefix="coconet_bench_pg_")
+    atexit.register(shutil.rmtree, folder, True)
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=0, world_size=1)
     return dist.group.WORLD
 
 
@@ -187,10 +190,10 @@ def gloo(comm, backend: str = "gloo") -> Any:
     if dist.is_initialized():
         return dist
     name = None
-    if comm.Get_rank() == 0:
-        fd, name = tempfile.mkstemp(prefix="coconet_bench_gloo_")
-        os.close(fd)
-        os.unlink(name)
+    if comm.Get_rank() == 0:  # (a folder of its own, removed at exit: torch leaves the file when the group is not destroyed)
+        folder = tempfile.mkdtemp(prefix="coconet_bench_gloo_")
+        atexit.register(shutil.rmtree, folder, True)
+        name = os.path.join(folder, "rendezvous")
     name = comm.bcast(name, root=0)
     dist.init_process_group(backend, init_method=f"file://{name}", rank=comm.Get_rank(),
                             world_size=comm.Get_size())

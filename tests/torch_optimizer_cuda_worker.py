@@ -41,8 +41,10 @@ MODE abort [SCHED [pg|window]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the tes
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -244,10 +246,10 @@ def gloo() -> object:
     bench/common.py makes one."""
     import torch.distributed as dist
     name = None
-    if rank == 0:
-        fd, name = tempfile.mkstemp(prefix="coconet_test_gloo_")
-        os.close(fd)
-        os.unlink(name)
+    if rank == 0:  # (a folder of its own, removed at exit: torch leaves the file when the group is not destroyed)
+        folder = tempfile.mkdtemp(prefix="coconet_test_gloo_")
+        atexit.register(shutil.rmtree, folder, True)
+        name = os.path.join(folder, "rendezvous")
     name = comm.bcast(name, root=0)
     dist.init_process_group("gloo", init_method=f"file://{name}", rank=rank, world_size=R)
     return dist.group.WORLD
