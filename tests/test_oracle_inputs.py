@@ -1,7 +1,7 @@
 """The random inputs every check against the interpreter feeds (coconetc/oracle/inputs.py): each
 tensor drawn positive only where an operation's domain needs it, a dropout's probability at
-most 0.5; and the comparison's allowance for elements that are sums of cancelling terms
-(coconetc/oracle/compare.py)."""
+most 0.5; and the comparison's allowance for elements that are sums of cancelling terms, and
+for results as accurate as the interpreter's against an f64 run (coconetc/oracle/compare.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
 from coconetc.autodiff.vjp import default_wrt
-from coconetc.interp.interpreter import Result
+from coconetc.interp.interpreter import Result, run
 from coconetc.ir import ops
-from coconetc.oracle.compare import compare
+from coconetc.oracle.compare import compare, widened_run
 from coconetc.oracle.inputs import dropout_probabilities, positive_params, random_inputs
 from coconetc.sourcefile import load_file, load_source
 
@@ -95,3 +95,36 @@ def test_compare_allows_a_few_ulps_of_the_largest_element():
     far[1] += np.float32(40 * ulp)
     problems = compare(_results(want), _results(far), p, p)
     assert len(problems) == 1 and "'y'" in problems[0]
+
+
+def test_compare_takes_a_result_as_accurate_as_the_interpreters():
+    """Past the tolerance, a result still matches when an f64 run of the program (the exact
+    result, to f32's eye) finds it no more than 4 times as far off as the interpreter's own;
+    further off, or with no f64 run, it is a mismatch naming both errors."""
+    p = load_source("program id(x: f32[N]) {\n    y = x + 0.0\n    return y\n}\n").program("id")
+    exact = np.array([1000.0, 1e-3, -2.0])
+    ulp = float(np.finfo(np.float32).eps) * 1000.0
+    want = (exact + [0.0, 50 * ulp, 0.0]).astype(np.float32)  # the interpreter 50 ulps of 1000 off
+
+    def got(ulps: float) -> list[Result]:
+        return _results((exact + [0.0, ulps * ulp, 0.0]).astype(np.float32))
+
+    def run_exact() -> list[Result]:
+        return [Result({"y": exact}, {}, {})]
+    assert compare(_results(want), got(-60), p, p)  # 110 ulps apart: past the tolerance alone
+    assert compare(_results(want), got(-60), p, p, exact=run_exact) == []
+    far = compare(_results(want), got(-400), p, p, exact=run_exact)
+    assert len(far) == 1 and "from an f64 run" in far[0] and "the interpreter's own" in far[0], far
+    assert compare(_results(want), got(-60), p, p, exact=lambda: None)
+
+
+def test_the_widened_run_is_the_program_in_f64():
+    """widened_run runs the program with every float type, cast and input widened to f64: the
+    GPT block's (dropout drawn alike) is its f32 run to f32's accuracy; an f64 program has none."""
+    gpt = load_file(EXAMPLES / "gpt_block.ccn").program("gpt_block")
+    inputs = random_inputs(gpt, 2, sizes=dict(B=1, S=8, H=16, NH=2, HD=8, F=32))
+    f32 = run(gpt, inputs)[0].outputs["y"]
+    f64 = widened_run(gpt, inputs)()[0].outputs["y"]
+    assert f64.dtype == np.float64 and 0 < np.abs(f64 - f32).max() < 1e-5 * np.abs(f64).max()
+    p64 = load_source("program id(x: f64[N]) {\n    y = x + 0.0\n    return y\n}\n").program("id")
+    assert widened_run(p64, [{"x": np.ones(3)}])() is None

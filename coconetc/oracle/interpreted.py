@@ -11,7 +11,7 @@ from typing import Any
 from coconetc.sourcefile import SourceFile
 from coconetc.interp.interpreter import Result, run
 from coconetc.ir.nodes import Program
-from coconetc.oracle.compare import compare
+from coconetc.oracle.compare import compare, widened_run
 from coconetc.oracle.inputs import adapt_inputs, random_inputs
 from coconetc.oracle.npz import save_results
 
@@ -42,7 +42,8 @@ def run_interp(mod: SourceFile, program: str, schedule: str | None, ranks: int, 
     t0 = time.perf_counter()
     got = run(sched.ir, s_inputs, groups)
     seconds = time.perf_counter() - t0
-    return Report(sched.ir, schedule, s_inputs, got, seconds, compare(ref, got, base, sched.ir, groups))
+    return Report(sched.ir, schedule, s_inputs, got, seconds, compare(ref, got, base, sched.ir, groups,
+                                                                          widened_run(sched.ir, s_inputs, groups)))
 
 
 def save_npz(path: str, rep: Report) -> None:
