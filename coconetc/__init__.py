@@ -15,10 +15,8 @@ _hooks.install()
 # (coconetc's launcher sets it for the ranks it starts).
 _hooks.quiet_osc_ucx()
 # A process that starts MPI alone keeps its shared-memory segment in a directory of its own,
-# removed at exit (coconetc/launch/mpiexec.py, SEGMENTS).
-from coconetc.launch import mpiexec as _mpiexec  # noqa: E402
-
-_mpiexec.own_segments()
+# removed at exit (coconetc/runtime/hooks.py, SEGMENTS).
+_hooks.own_segments()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load", "trace"]
 
 

@@ -54,8 +54,9 @@ class Pool:
         self.listener.listen(ranks)
         self.listener.settimeout(START_TIMEOUT)
         self.log = open(self.dir / "pool.log", "w")
+        self.env = environment(ranks)
         self.proc = subprocess.Popen(mpiexec.command(ranks, [sys.executable, str(RANK), path]),
-                                     env=environment(ranks), stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.conns: list[socket.socket | None] = [None] * ranks
         try:
@@ -146,6 +147,7 @@ class Pool:
     def close(self) -> None:
         """The ranks ended and the files removed."""
         self.stop()
+        mpiexec.release(self.env)
         self.listener.close()
         self.log.close()
         for f in self.dir.iterdir():
@@ -226,12 +228,14 @@ def fresh(ranks: int, argv: list[str], timeout: float = 600, env: dict[str, str]
     start in): (exit code, stdout, stderr); 124 after TIMEOUT seconds. A launcher that failed to
     start (LAUNCHER_FAILED) is started once more."""
     for attempt in (1, 2):
+        job = {**environment(ranks), **(env or {})}
         try:
-            res = subprocess.run(mpiexec.command(ranks, [sys.executable, *argv]),
-                                 env={**environment(ranks), **(env or {})}, capture_output=True, text=True,
-                                 stdin=subprocess.DEVNULL, timeout=timeout)
+            res = subprocess.run(mpiexec.command(ranks, [sys.executable, *argv]), env=job, capture_output=True,
+                                 text=True, stdin=subprocess.DEVNULL, timeout=timeout)
         except subprocess.TimeoutExpired as err:
             return 124, _text(err.stdout), _text(err.stderr)
+        finally:
+            mpiexec.release(job)
         if not (res.returncode and LAUNCHER_FAILED in res.stderr + res.stdout and attempt == 1):
             break
     return res.returncode, res.stdout, res.stderr

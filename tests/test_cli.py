@@ -633,24 +633,28 @@ def test_every_job_has_its_own_shared_memory_segments(monkeypatch, tmp_path) -> 
     """Open MPI names a job's shared-memory segments by a 16-bit hash of the job: each job
     started here (and this process, imported coconetc outside a job) gets a directory of its
     own, a new job a new one even where a parent coconet process set its own; a user's is kept;
-    a rank of a job keeps the job's. Two ranks started with one see each other's segments there."""
+    a rank of a job keeps the job's; the directory goes when the job ends. Two ranks started
+    with a user's see each other's segments there."""
     from coconetc.launch import mpiexec
+    from coconetc.runtime import hooks
     if not mpiexec._is_open_mpi():
         pytest.skip("an Open MPI setting")
     mine = os.environ[mpiexec.SEGMENTS]  # (set at import: the pytest worker is no rank)
     one, two = (mpiexec.environment(2)[mpiexec.SEGMENTS] for _ in range(2))
     assert len({mine, one, two}) == 3 and all(Path(d).is_dir() for d in (mine, one, two))
+    mpiexec.release({mpiexec.SEGMENTS: one})  # (the job ended: its directory goes now)
+    assert not Path(one).exists() and Path(two).is_dir()
     for kept in (mpiexec.environment(2, local=False), mpiexec.environment(2, segments=False)):
         assert kept[mpiexec.SEGMENTS] == mine
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    mpiexec.own_segments()
+    hooks.own_segments()  # (a rank: the job's directory kept)
     assert os.environ[mpiexec.SEGMENTS] == mine
     monkeypatch.setenv(mpiexec.SEGMENTS, str(tmp_path))
     assert mpiexec.environment(2)[mpiexec.SEGMENTS] == str(tmp_path)
     res = rank_pool.fresh(2, ["-c", "import os; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
                           "print(sorted(os.listdir(os.environ['OMPI_MCA_btl_sm_backing_directory'])))"], timeout=120)
     assert res[0] == 0, res
-    assert res[1].count("sm_segment.") == 4, res
+    assert res[1].count("sm_segment.") == 4 and tmp_path.is_dir(), res  # (a user's directory stays)
 
 
 @pytest.mark.parametrize("label, plan", [("default", "default"), ("zero", "zero"), ("zero@p2p", "zero")])

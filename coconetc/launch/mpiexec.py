@@ -4,14 +4,14 @@ this machine or on the hosts of a hostfile or a host list (docs/cluster.md)."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from functools import cache
 from pathlib import Path
+
+from coconetc.runtime.hooks import SEGMENTS, new_segments, ours, release
 
 ENV_MPIEXEC = "COCONET_MPIEXEC"  # an mpiexec to use instead of the one beside python
 
@@ -65,38 +65,6 @@ def command(ranks: int, argv: list[str], hostfile: str | None = None, hosts: str
 ONE_MACHINE = {"OMPI_MCA_btl": "^ofi"}
 
 
-# Open MPI names a job's shared-memory segments (btl/sm's files, in /dev/shm) by a 16-bit hash of
-# the job's name, so two jobs on one machine now and then name theirs alike, attach each other's
-# and crash (two jobs at once, in mca_btl_sm_poll_handle_frag); and a process that starts MPI
-# alone (a singleton: `python train.py`) leaves its segment behind. Each job coconet starts here,
-# and each process that imports coconetc outside a job, gets a directory of its own for them,
-# removed when the process that made it exits. A directory the user names is kept.
-SEGMENTS = "OMPI_MCA_btl_sm_backing_directory"
-_PREFIX = "coconet-mpi-"
-_made: list[str] = []
-
-
-def _ours(env) -> bool:
-    """Whether ENV's segment directory is unset or one coconet made (here or in a parent)."""
-    return os.path.basename(env.get(SEGMENTS, _PREFIX)).startswith(_PREFIX)
-
-
-def _segments() -> str:
-    if not _made:
-        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _made])
-    shm = "/dev/shm"
-    _made.append(tempfile.mkdtemp(prefix=_PREFIX, dir=shm if os.access(shm, os.W_OK) else None))
-    return _made[-1]
-
-
-def own_segments() -> None:
-    """This process's segment directory, if it starts MPI as a singleton (not a rank of a job:
-    every rank of a job must share one). Read at MPI_Init: coconetc/__init__.py calls it."""
-    from coconetc.runtime.hooks import SIZE_VARS  # (a leaf: the launchers' variables)
-    if not any(v in os.environ for v in SIZE_VARS) and _ours(os.environ):
-        os.environ[SEGMENTS] = _segments()
-
-
 def environment(ranks: int, local: bool = True, segments: bool = True) -> dict[str, str]:
     """os.environ plus what Open MPI needs to run R ranks on this machine (LOCAL: on this
     machine only; with hosts given the ranks spread over them and this machine's cores say
@@ -104,8 +72,8 @@ def environment(ranks: int, local: bool = True, segments: bool = True) -> dict[s
     (False: for ranks already started)."""
     env = dict(os.environ)
     if _is_open_mpi():
-        if local and segments and _ours(env):
-            env[SEGMENTS] = _segments()
+        if local and segments and ours(env):
+            env[SEGMENTS] = new_segments()
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
         env.setdefault("OMPI_MCA_osc", "^ucx")  # see coconetc.runtime.hooks.quiet_osc_ucx
@@ -128,3 +96,5 @@ def run_python(ranks: int, args: list[str], timeout: float | None = None, hostfi
     except subprocess.TimeoutExpired:
         print(f"coconetc: ranks did not finish in {timeout} s; stopped", file=sys.stderr)
         return 124
+    finally:
+        release(env)

@@ -4,12 +4,17 @@ collective it will never join. Importing coconetc installs this hook (as `python
 does): it prints the exception as usual, then calls MPI_Abort.
 
 Whether this is an MPI job is read from the launcher's environment (Open MPI, MPICH/Hydra,
-PMI/PMIx, MVAPICH), so a plain `import coconetc` imports no MPI."""
+PMI/PMIx, MVAPICH), so a plain `import coconetc` imports no MPI. The Open MPI settings a process
+needs before MPI starts are here too (quiet_osc_ucx, own_segments), and the shared-memory
+directories of the jobs coconetc.launch starts (new_segments, release)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -61,3 +66,49 @@ def quiet_osc_ucx() -> None:
     without a UCX network, prints an error each time; coconet's windows are shared memory
     (osc/sm), so leave that component out unless the user chose the components."""
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+
+
+# Open MPI names a job's shared-memory segments (btl/sm's files, in /dev/shm) by a 16-bit hash of
+# the job's name, so two jobs on one machine now and then name theirs alike, attach each other's
+# and crash (two jobs at once, in mca_btl_sm_poll_handle_frag); and a process that starts MPI
+# alone (a singleton: `python train.py`) leaves its segment behind. Each job coconet starts here,
+# and each process that imports coconetc outside a job, gets a directory of its own for them,
+# removed when the process that made it exits. A directory the user names is kept.
+SEGMENTS = "OMPI_MCA_btl_sm_backing_directory"
+_PREFIX = "coconet-mpi-"
+_made: list[str] = []
+
+
+def ours(env) -> bool:
+    """Whether ENV's segment directory is unset or one coconet made (here or in a parent)."""
+    return os.path.basename(env.get(SEGMENTS, _PREFIX)).startswith(_PREFIX)
+
+
+def new_segments() -> str:
+    """A new segment directory (in /dev/shm where it can be written), removed at exit."""
+    if not _made:
+        atexit.register(_remove_made)
+    shm = "/dev/shm"
+    _made.append(tempfile.mkdtemp(prefix=_PREFIX, dir=shm if os.access(shm, os.W_OK) else None))
+    return _made[-1]
+
+
+def _remove_made() -> None:
+    for d in _made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def release(env: dict[str, str]) -> None:
+    """The job started in ENV has ended: its segment directory, if this process made it, goes now
+    (not at exit)."""
+    d = env.get(SEGMENTS)
+    if d in _made:
+        _made.remove(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def own_segments() -> None:
+    """This process's segment directory, if it starts MPI as a singleton (not a rank of a job:
+    every rank of a job must share one). Read at MPI_Init: coconetc/__init__.py calls it."""
+    if not any(v in os.environ for v in SIZE_VARS) and ours(os.environ):
+        os.environ[SEGMENTS] = new_segments()
