@@ -1,6 +1,6 @@
 """Sharded parameters on 2 ranks, memory and speed side by side: a nanoGPT of about 20M
 parameters (bench/nanogpt.py: d 512, 6 layers, 8 heads, vocabulary 2048, head tied to the token
-embedding; f32), data parallel on random tokens, AdamW (nanoGPT's two groups), in seven ways:
+embedding; f32), data parallel on random tokens, AdamW (nanoGPT's two groups), in eight ways:
 
   * coconetc.torch.shard (parameters, gradients and AdamW's state sharded over the ranks, MPI),
     gathered a unit at a time (each block a unit, the rest the root's), prefetch 1, resharded
@@ -8,7 +8,7 @@ embedding; f32), data parallel on random tokens, AdamW (nanoGPT's two groups), i
   * the same with reshard_after_forward=False (each block's whole weights kept for its backward)
   * the same as one unit (units=[]: the whole model gathered for the step)
   * the defaults with AdamW inside the backward (adamw_in_backward: each unit's update fused
-    into the reduce-scatter of its gradients, no gradient stored)
+    into the reduce-scatter of its gradients, no gradient stored); the same with prefetch 0
   * torch FSDP2: fully_shard on each block, then on the model (gloo)
   * DDP (gloo): every rank holds everything
 
@@ -56,10 +56,11 @@ SHARD_P0 = "coconetc.torch.shard, units, prefetch 0 + AdamW(fused)"
 SHARD_KEPT = "coconetc.torch.shard, units, reshard_after_forward=False + AdamW(fused)"
 SHARD_ONE = "coconetc.torch.shard, one unit + AdamW(fused)"
 SHARD_IN_BW = "coconetc.torch.shard, units, prefetch 1, AdamW inside the backward (adamw_in_backward)"
+SHARD_IN_BW_P0 = "coconetc.torch.shard, units, prefetch 0, AdamW inside the backward (adamw_in_backward)"
 FSDP2, DDP = "FSDP2 fully_shard (gloo) + AdamW(fused)", "DDP (gloo) + AdamW(fused)"
-VARIANTS = (SHARD, SHARD_P0, SHARD_KEPT, SHARD_ONE, SHARD_IN_BW, FSDP2, DDP)
+VARIANTS = (SHARD, SHARD_P0, SHARD_KEPT, SHARD_ONE, SHARD_IN_BW, SHARD_IN_BW_P0, FSDP2, DDP)
 SHARDINGS = {SHARD: {}, SHARD_P0: {"prefetch": 0}, SHARD_KEPT: {"reshard_after_forward": False}, SHARD_ONE: {"units": []},
-             SHARD_IN_BW: {}}
+             SHARD_IN_BW: {}, SHARD_IN_BW_P0: {"prefetch": 0}}
 MIB = 1 << 20
 
 
@@ -108,7 +109,7 @@ class Variant:
     def __init__(self, name: str, comm: Any, batches: Any):
         self.model = base_model()
         self.call = wrap(name, self.model, comm)
-        self.opt = adamw(self.model, in_backward=name == SHARD_IN_BW)
+        self.opt = adamw(self.model, in_backward=name in (SHARD_IN_BW, SHARD_IN_BW_P0))
         self.batches, self.k = batches, 0
 
     def __call__(self) -> float:

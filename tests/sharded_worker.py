@@ -432,8 +432,9 @@ class Worker:
         """adamw_in_backward: 4 steps against torch.optim.AdamW in one process, nanoGPT's two param
         groups (weight decay on the matrices only; each unit updated
         inside its backward, no .grad kept), with units of every kind (the default split,
-        nested named ones with a weight tied across units, whole tensors kept to the backward
-        with two forwards before it, a unit whose output reaches the loss on rank 0 only); a
+        nested named ones with a weight tied across units, through the shared-memory window,
+        whole tensors kept to the backward with two forwards before it, a unit whose output
+        reaches the loss on rank 0 only; the fused collectives point to point but where asked); a
         checkpoint of its state resumed by a torch AdamW on a model sharded anew."""
         for label, how in (("default", dict(reduce="avg")), ("named_tied", dict(units=NAMED_UNITS, prefetch=2)),
                            ("two_forwards", dict(reshard_after_forward=False)), ("not_reaching", dict(prefetch=0))):
@@ -448,8 +449,10 @@ class Worker:
                 model.blocks[2][0].weight = model.blocks[0][0].weight
         how = {"reduce": "sum", **how}
         sh = ct.shard(m, **STACK_SHARDING, **how)  # type: ignore[arg-type]
-        opt = sh.adamw_in_backward(two_groups(m), lr=1e-2, weight_decay=0.1)
+        shm = tied  # (the fused collectives through the shared-memory window: the named units' case)
+        opt = sh.adamw_in_backward(two_groups(m), lr=1e-2, weight_decay=0.1, shared_memory=shm)
         ropt = torch.optim.AdamW(two_groups(ref), lr=1e-2, weight_decay=0.1)
+        windowed = opt._mod.adamw_shard.ext._shm_runs()  # type: ignore[attr-defined]
         scale = self.R if how["reduce"] == "avg" else 1
         errs: list[float] = []
         for t in range(steps):
@@ -468,6 +471,9 @@ class Worker:
             else:
                 self._ref_step(ref, ropt, t)
         errs += differences(sh, ref)
+        windowed = opt._mod.adamw_shard.ext._shm_runs() - windowed  # type: ignore[attr-defined]
+        if (windowed > 0) != (shm and self.R > 1):
+            errs.append(float("inf"))  # (the window used where it was not asked for, or not where it was)
         return errs, sh, opt, ref, ropt
 
     def _in_backward(self, label: str, how: dict) -> str | None:
@@ -477,7 +483,9 @@ class Worker:
 
     def _in_backward_checkpoint(self) -> str | None:
         """Saved after 3 steps in the backward, loaded into a torch AdamW stepping a model sharded
-        anew (the same state format): a fourth step as one process takes it."""
+        anew (the same state format), and back into the optimizer that saved it (its state's
+        tensors replaced: the next update copies them into new slices): a fourth step as one
+        process takes it, in both."""
         errs, sh, opt, ref, ropt = self._in_backward_run({}, 3)
         path = Path(self.comm.bcast(tempfile.mkdtemp() if self.rank == 0 else None)) / "in_backward.pt"
         sh.save(path, optimizer=opt)
@@ -487,8 +495,10 @@ class Worker:
         sh2.load(path, optimizer=opt2)
         self._step(m2, opt2, 3)
         opt2.step()
+        sh.load(path, optimizer=opt)
+        self._step(sh.module, opt, 3)
         self._ref_step(ref, ropt, 3)
-        errs += differences(sh2, ref)
+        errs += differences(sh2, ref) + differences(sh, ref)
         self.comm.barrier()
         if self.rank == 0:
             shutil.rmtree(path.parent)

@@ -246,11 +246,14 @@ def test_handle_errors(in_backward_built):
         with pytest.raises(RuntimeError, match="not inside gathered"):
             sh.state_dict()
     # the update inside the backward: a trainable parameter of another dtype is refused, naming
-    # it; a second call is refused, saying what to change instead
+    # it, as is a shared_memory that is not a bool; a second call is refused, saying what to
+    # change instead
     wide = ct.shard(torch.nn.Sequential(torch.nn.Linear(2, 3).double()))
     with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"):
         wide.adamw_in_backward()
-    assert wide.units.in_backward is None
+    with pytest.raises(TypeError, match="shared_memory must be True or False, got 'yes'"):
+        sh.adamw_in_backward(shared_memory="yes")
+    assert wide.units.in_backward is None and sh.units.in_backward is None
     opt = sh.adamw_in_backward(lr=0.5)
     assert opt.param_groups[0]["lr"] == 0.5 and len(opt.param_groups[0]["params"]) == 2  # (not the frozen steps)
     with pytest.raises(ValueError, match="called already: change the returned optimizer's param_groups"):

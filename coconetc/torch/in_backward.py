@@ -7,8 +7,12 @@ stay None.
 
 A unit's call takes one flat vector of its parameters: for the sharded ones, rank r's parts
 laid end to end from r * C (C: the largest rank's total, the rest zeros), so that the
-program's `sliced` slice of a rank is its parts; this rank's parts, m and v are copied into
-such a slice and the updated ones back (the state is kept per parameter, shaped as its part).
+program's `sliced` slice of a rank is its parts. This rank's parts, m and v live in three such
+slices of their own, one for each call (a unit's parameters of one kind, param group and step
+count): each parameter's data and its state (kept per parameter, shaped as its part, as
+torch's AdamW keeps it) are views into them, so the call updates them in place, with no copy
+and no buffer made for it. A tensor that was replaced since (a checkpoint loaded) is copied
+into new slices at the next call.
 
 The units are updated in one order on every rank (the reverse of shard()'s list of them, the
 root last: the order a backward ends them in), a unit once its gradients are complete (every
@@ -53,7 +57,7 @@ class AdamWInBackward(torch.optim.Optimizer):
     did (a training loop that calls it, and a scheduler that wants it called, work as before)."""
 
     def __init__(self, units: Units, params: Any, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float):
+                 weight_decay: float, shared_memory: bool = False):
         import coconetc
         from coconetc.paths import source_path
         if params is None:
@@ -69,6 +73,11 @@ class AdamWInBackward(torch.optim.Optimizer):
         self._units = units
         self._mod = coconetc.load(source_path(SOURCE), log=lambda msg: None)
         self._backward: _Backward | None = None
+        # the sharded update's fused collective: point to point (its buffers go with the call)
+        # unless asked through the shared-memory window (kept, sized by the largest unit)
+        self._fused = "fused@shm" if shared_memory else "fused@p2p"
+        # each call's parts, m and v (the tensors' storage), by the call's parameters' names
+        self._flats: dict[tuple[str, ...], list[torch.Tensor]] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -157,7 +166,7 @@ class AdamWInBackward(torch.optim.Optimizer):
                     send[at:at + n] = g[part_index(s.shape, s.dim, R, r)].reshape(-1)
                 at += n
         grads.clear()
-        self._call(self._mod.adamw_shard, u, specs, send, C, dict(args, schedule="fused"))
+        self._call(self._mod.adamw_shard, u, specs, send, C, dict(args, schedule=self._fused))
 
     def _whole(self, u: Unit, specs: list, grads: list[torch.Tensor | None], args: dict[str, float]) -> None:
         g = torch.cat([(torch.zeros(s.shape, dtype=torch.float32) if gr is None else gr).reshape(-1) for s, gr in zip(specs, grads)])
@@ -166,36 +175,53 @@ class AdamWInBackward(torch.optim.Optimizer):
 
     def _call(self, program: Any, u: Unit, specs: list, g: torch.Tensor, size: int, args: dict[str, Any]) -> None:
         """PROGRAM on U's communicator with gradient G and this rank's SPECS' parameters, m and v
-        laid end to end in vectors of SIZE elements (the updated ones copied back)."""
-        flat = [torch.zeros(size, dtype=torch.float32) for _ in range(3)]
-        self._pack(specs, flat)
-        program(comm=u.comm, g=g, w=flat[0], m=flat[1], v=flat[2], **args)
-        self._unpack(specs, flat)
+        laid end to end in vectors of SIZE elements, updated in place (_flat)."""
+        w, m, v = self._flat([s.name for s in specs], size)
+        program(comm=u.comm, g=g, w=w, m=m, v=v, **args)
 
     def _tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self._units.parts._params[name]
         st = self.state[t]
         return t.data, st["exp_avg"], st["exp_avg_sq"]
 
-    def _pack(self, specs: list, flat: list[torch.Tensor]) -> None:
-        """This rank's parameters (parts, or whole), m and v laid end to end in FLAT's three."""
+    def _flat(self, names: list[str], size: int) -> list[torch.Tensor]:
+        """The three vectors of SIZE elements whose slices are NAMES' parameters, m and v laid
+        end to end: the ones made for these names at an earlier call if every tensor is still
+        its view there, else new ones (the values copied in, and the parameters' data and state
+        made views into them; the vectors of another call that shared a name dropped)."""
+        key = tuple(names)
+        flats = self._flats.get(key)
+        if flats is not None and flats[0].numel() == size and self._views(names, flats):
+            return flats
+        for other in [k for k in self._flats if k != key and set(k) & set(names)]:
+            del self._flats[other]
+        flats = [torch.zeros(size, dtype=torch.float32) for _ in range(3)]
         at = 0
-        for s in specs:
-            ts = self._tensors(s.name)
-            n = ts[0].numel()
-            for dst, t in zip(flat, ts):
-                dst[at:at + n] = t.reshape(-1)
-            at += n
-
-    def _unpack(self, specs: list, flat: list[torch.Tensor]) -> None:
-        at = 0
-        for s in specs:
-            ts = self._tensors(s.name)
-            n = ts[0].numel()
+        for name in names:
+            t = self._units.parts._params[name]
+            st = self.state[t]
+            n = t.numel()
+            views = [f[at:at + n].view(t.shape) for f in flats]
             with torch.no_grad():
-                for src, t in zip(flat, ts):
-                    t.copy_(src[at:at + n].view(t.shape))
+                for view, src in zip(views, self._tensors(name)):
+                    view.copy_(src)
+            t.data = views[0]
+            st["exp_avg"], st["exp_avg_sq"] = views[1], views[2]
             at += n
+        self._flats[key] = flats
+        return flats
+
+    def _views(self, names: list[str], flats: list[torch.Tensor]) -> bool:
+        """Whether every one of NAMES' tensors is still its view into FLATS."""
+        at = 0
+        for name in names:
+            ts = self._tensors(name)
+            for f, t in zip(flats, ts):
+                if t.numel() and (t.data_ptr() != f.data_ptr() + 4 * at or not t.is_contiguous()
+                                  or t.dtype != torch.float32):
+                    return False
+            at += ts[0].numel()
+        return True
 
 
 def check_parameters(units: Units) -> None:

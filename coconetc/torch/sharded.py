@@ -322,7 +322,8 @@ class Sharded(Parts):
         optim_state.load_optim_state_dict(self, optimizer, state_dict)
 
     def adamw_in_backward(self, params: Any = None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                          eps: float = 1e-8, weight_decay: float = 1e-2) -> torch.optim.Optimizer:
+                          eps: float = 1e-8, weight_decay: float = 1e-2,
+                          shared_memory: bool = False) -> torch.optim.Optimizer:
         """From now on every backward also steps the module with AdamW (torch.optim.AdamW's
         arguments and update), each unit's parameters as soon as its gradients are made: the
         sharded ones inside the reduce-scatter of their gradients (examples/adamw_sharded.ccn,
@@ -334,15 +335,20 @@ class Sharded(Parts):
         hyperparameters (change a group's lr between steps, or give it to a learning-rate
         scheduler; pass it to save/load/optim_state_dict); its step() does nothing. No
         global-norm clipping: see docs/sharded_torch.md. The trainable parameters must be
-        float32. Collective."""
+        float32. SHARED_MEMORY: the fused collectives through a shared-memory window (ranks on
+        one machine; the window stays, twice the largest unit's gradient on every rank, and its
+        peers' pages mapped) instead of point-to-point messages (the default: the least memory,
+        and as fast on the CPU: docs/sharded_torch.md). Collective."""
         from coconetc.torch.in_backward import AdamWInBackward, check_parameters
 
         def local() -> AdamWInBackward:
             if self.units.in_backward is not None:
                 raise ValueError("adamw_in_backward() was called already: change the returned optimizer's "
                                  "param_groups (each group's lr, betas, eps, weight_decay) instead")
+            if not isinstance(shared_memory, bool):
+                raise TypeError(f"adamw_in_backward: shared_memory must be True or False, got {shared_memory!r}")
             check_parameters(self.units)
-            return AdamWInBackward(self.units, params, lr, betas, eps, weight_decay)
+            return AdamWInBackward(self.units, params, lr, betas, eps, weight_decay, shared_memory)
         opt = self._agree("adamw_in_backward()", local)
         self.units.in_backward = opt
         return opt
