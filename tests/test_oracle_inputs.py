@@ -116,6 +116,7 @@ def test_compare_takes_a_result_as_accurate_as_the_interpreters():
     far = compare(_results(want), got(-400), p, p, exact=run_exact)
     assert len(far) == 1 and "from an f64 run" in far[0] and "the interpreter's own" in far[0], far
     assert compare(_results(want), got(-60), p, p, exact=lambda: None)
+    assert compare(_results(want), _results(want.astype(np.float64)), p, p, exact=run_exact)  # (another dtype)
 
 
 def test_the_widened_run_is_the_program_in_f64():
