@@ -11,6 +11,7 @@ import atexit
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -185,17 +186,17 @@ def reps_for(n: int, reps: int) -> int:
 
 def gloo(comm, backend: str = "gloo") -> Any:
     """torch.distributed's process group (gloo; or nccl, one GPU a rank) over the ranks of the
-    mpiexec job (a rendezvous file in /tmp named by rank 0)."""
+    mpiexec job (a TCP store on a port rank 0 found free)."""
     import torch.distributed as dist
     if dist.is_initialized():
         return dist
     name = None
-    if comm.Get_rank() == 0:  # (a folder of its own, removed at exit: torch leaves the file when the group is not destroyed)
-        folder = tempfile.mkdtemp(prefix="coconet_bench_gloo_")
-        atexit.register(shutil.rmtree, folder, True)
-        name = os.path.join(folder, "rendezvous")
+    if comm.Get_rank() == 0:  # (a TCP store on a free port: a file store stays in /tmp unless the group is destroyed)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            name = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     name = comm.bcast(name, root=0)
-    dist.init_process_group(backend, init_method=f"file://{name}", rank=comm.Get_rank(),
+    dist.init_process_group(backend, init_method=name, rank=comm.Get_rank(),
                             world_size=comm.Get_size())
     return dist
 

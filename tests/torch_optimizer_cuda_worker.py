@@ -41,10 +41,9 @@ MODE abort [SCHED [pg|window]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the tes
 
 from __future__ import annotations
 
-import atexit
 import copy
 import os
-import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -242,16 +241,16 @@ def mode_checkpoint() -> None:
 
 
 def gloo() -> object:
-    """A gloo process group over the job's ranks (a rendezvous file named by rank 0), as
+    """A gloo process group over the job's ranks (a TCP store on a port rank 0 found free), as
     bench/common.py makes one."""
     import torch.distributed as dist
     name = None
-    if rank == 0:  # (a folder of its own, removed at exit: torch leaves the file when the group is not destroyed)
-        folder = tempfile.mkdtemp(prefix="coconet_test_gloo_")
-        atexit.register(shutil.rmtree, folder, True)
-        name = os.path.join(folder, "rendezvous")
+    if rank == 0:  # (a TCP store on a free port: a file store stays in /tmp unless the group is destroyed)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            name = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     name = comm.bcast(name, root=0)
-    dist.init_process_group("gloo", init_method=f"file://{name}", rank=rank, world_size=R)
+    dist.init_process_group("gloo", init_method=name, rank=rank, world_size=R)
     return dist.group.WORLD
 
 
