@@ -41,7 +41,7 @@ inline void keep_chunk(T* dst, const C* src, int64_t n) {
   for (; i < n; ++i) dst[i] = from_compute<T>(src[i]);
 }
 
-// Loops of more elements than this may run on several OpenMP threads.
+// Loops of more elements than this may run on several threads (loop_pool.h).
 constexpr int64_t kParallelMin = 65536;
 
 // ---- reductions ------------------------------------------------------------------------------

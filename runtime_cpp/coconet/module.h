@@ -24,6 +24,7 @@
 #include "grad.h"
 #include "overlap.h"
 #include "kernels.h"
+#include "loop_pool.h"
 #include "rng.h"
 #include "segments.h"
 #include "slices.h"
@@ -51,6 +52,12 @@ namespace coconet {
 // communicator on this node (counted by the first Comm, comm.h; 1 until then).
 inline int omp_threads() { return std::max(1, process_threads().load(std::memory_order_relaxed)); }
 
+// A generated loop's blocks fn(b), b in [0, nb), on omp_threads() threads (loop_pool.h).
+template <class F>
+inline void parallel_blocks(int64_t nb, F&& fn) {
+  loop_pool().run(nb, omp_threads(), std::function<void(int64_t)>(std::ref(fn)));
+}
+
 // Elements per chunk of a fused collective: COCONET_CHUNK, else 2^16.
 inline int64_t fused_chunk_elems() {
   static int64_t n = [] {
@@ -73,7 +80,7 @@ inline int64_t overlap_task_chunk_elems(int64_t count, int R) {
 }
 
 // At the start of every generated function, before its Comm: COCONET_THREADS if set; and BLAS
-// gets as many threads as OpenMP loops (the cores left per rank), so ranks sharing a node do
+// gets as many threads as the loops (the cores left per rank), so ranks sharing a node do
 // not oversubscribe it with spinning BLAS threads.
 COCONET_LIBRARY void init_threads() COCONET_LIBRARY_BODY({
   static bool done = [] {

@@ -1,6 +1,7 @@
 """Pointwise loops of the CPU backend: a Loop unit of the plan as one C++ loop (plain and
-vectorizable, with an OpenMP copy for large loops; piece by piece over scattered segments; in
-runs along the last dim when the element's coordinates are needed). Operands are loaded as
+vectorizable, with a copy on the loop threads for large loops, runtime_cpp/coconet/loop_pool.h;
+piece by piece over scattered segments; in runs along the last dim when the element's
+coordinates are needed). Operands are loaded as
 codegen/indexing.py says; the element math is codegen/emit.py's."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class CpuLoops:
         plan/colsums.py): blocks of COLSUM_BLOCK elements' whole rows, each block's rows in
         order, each element's value added into its block's partial sum of its column (in the
         compute type, beside the store, so the item is not read again); the blocks in parallel
-        (OpenMP) or in turn, then the partial sums added in block order: the same result
+        (the loop threads) or in turn, then the partial sums added in block order: the same result
         whatever the threads."""
         t = u.type
         sums = [c for c in u.colsums if "cpu" in c.on]
@@ -82,13 +83,8 @@ class CpuLoops:
         w.emit("      }")
         w.emit("    }")
         w.emit("  };")
-        w.emit("#ifdef _OPENMP")
-        w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
-        w.emit("#pragma omp parallel for num_threads(coconet::omp_threads())")
-        w.emit("    for (int64_t blk = 0; blk < nb; ++blk) block(blk);")
-        w.emit("  } else")
-        w.emit("#endif")
-        w.emit("  for (int64_t blk = 0; blk < nb; ++blk) block(blk);")
+        w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);")
+        w.emit("  else for (int64_t blk = 0; blk < nb; ++blk) block(blk);")
         for c in sums:
             ct = CTYPE[w.types[c.dst].dtype]
             w.emit("  for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order")
@@ -164,16 +160,22 @@ class CpuLoops:
             self.w.emit("    }")
             self.w.emit("  }")
         else:
-            # a plain loop (vectorizable: operands are locals, not captured by an OpenMP region),
-            # and an OpenMP copy of it for large loops when cores are left over
+            # a plain loop (vectorizable: operands are locals, not captured by a closure), and a
+            # copy of it in blocks of kParallelMin elements on the loop threads (runtime_cpp/
+            # coconet/loop_pool.h) for large loops when cores are left over
             self.w.emit(f"  const int64_t n = {n};")
-            self.w.emit("#ifdef _OPENMP")
             self.w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
-            self.w.emit("#pragma omp parallel for num_threads(coconet::omp_threads())")
-            self._for(t, store, needs_coords)
-            self.w.emit("  } else")
-            self.w.emit("#endif")
-            self.w.emit("  {")
+            self.w.emit("    coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, "
+                        "[&](int64_t blk) {")
+            self.w.emit("    const int64_t lo = blk * coconet::kParallelMin, "
+                        "hi = std::min<int64_t>(n, lo + coconet::kParallelMin);")
+            if needs_coords and t.ndim > 0:
+                self.row_runs(t, "lo", "hi", [store])
+            else:
+                self.w.emit("    COCONET_IVDEP")
+                self._for(t, store, False, "lo", "hi")
+            self.w.emit("    });")
+            self.w.emit("  } else {")
             if needs_coords and t.ndim > 0:
                 self.row_runs(t, "int64_t(0)", "n", [store])
             else:

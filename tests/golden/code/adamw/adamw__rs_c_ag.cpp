@@ -50,15 +50,15 @@ void adamw__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_c[i] = coconet::from_compute<float>(k0_c);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_c[i] = coconet::from_compute<float>(k0_c);
@@ -82,10 +82,11 @@ void adamw__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
       const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k3_m1 * x_gc);
       v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -96,9 +97,8 @@ void adamw__rs_c_ag(const coconet::CallArgs& a) {
       const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k8_w1 * (x_mh / (std::sqrt(x_vh) + k9_w1) + k10_w1 * coconet::to_compute(v_w[i + off * int64_t(1)])));
       v_w1[i] = coconet::from_compute<float>(x_w1);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));

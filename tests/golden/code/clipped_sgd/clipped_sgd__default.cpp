@@ -30,15 +30,15 @@ void clipped_sgd__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_gc[i] = coconet::from_compute<float>(coconet::to_compute(v_g1[i]) * 0.5f);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_gc[i] = coconet::from_compute<float>(coconet::to_compute(v_g1[i]) * 0.5f);
@@ -60,15 +60,15 @@ void clipped_sgd__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i]) - k0_w1 * coconet::to_compute(v_gc[i]) / k1_w1);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i]) - k0_w1 * coconet::to_compute(v_gc[i]) / k1_w1);

@@ -41,20 +41,25 @@ void conv_layer__default(const coconet::CallArgs& a) {
     const int64_t L2 = (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1));
     const int64_t L3 = (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1));
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1));
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L3;
+      const int64_t j0 = i0 - rest * L3;
       const int64_t c2 = rest % L2; rest /= L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_y[i]) + coconet::to_compute(v_bias[c1 * int64_t(1) * int64_t(1)])));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L3 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c3 = j0 + (i - i0);
+        v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_y[i]) + coconet::to_compute(v_bias[c1 * int64_t(1) * int64_t(1)])));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L3;
       const int64_t j0 = i0 - rest * L3;
@@ -83,15 +88,15 @@ void conv_layer__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_O * int64_t(1) * int64_t(1);
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_nb[i] = coconet::from_compute<float>(coconet::to_compute(v_bias[i]) - k0_nb * coconet::to_compute(v_gsum[i]));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_nb[i] = coconet::from_compute<float>(coconet::to_compute(v_bias[i]) - k0_nb * coconet::to_compute(v_gsum[i]));

@@ -37,15 +37,15 @@ void conv_tp__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_O, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1));
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_rs[i])));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_rs[i])));

@@ -107,19 +107,24 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_t3_q[i] = coconet::from_compute<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        v_t3_q[i] = coconet::from_compute<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -181,19 +186,24 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_t11_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        v_t11_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;

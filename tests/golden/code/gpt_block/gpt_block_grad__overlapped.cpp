@@ -171,19 +171,24 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -245,19 +250,24 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -332,22 +342,27 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
       const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
       const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + x_x1_dropout);
       v_x1[i] = coconet::from_compute<float>(x_x1);
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -384,22 +399,27 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -442,13 +462,8 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
         }
       }
     };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
+    else for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
       for (int64_t col = 0; col < cols; ++col) part_d_b_proj[col] += part_d_b_proj[blk * cols + col];
@@ -489,13 +504,8 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
         }
       }
     };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
+    else for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
       for (int64_t col = 0; col < cols; ++col) part_d_b_fc[col] += part_d_b_fc[blk * cols + col];
@@ -564,13 +574,8 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
         }
       }
     };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
+    else for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
       for (int64_t col = 0; col < cols; ++col) part_d_bo[col] += part_d_bo[blk * cols + col];

@@ -164,19 +164,24 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -224,13 +229,8 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
         }
       }
     };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
+    else for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
       for (int64_t col = 0; col < cols; ++col) part_g_b_proj_part[col] += part_g_b_proj_part[blk * cols + col];
@@ -275,13 +275,8 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
         }
       }
     };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
+    else for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
       for (int64_t col = 0; col < cols; ++col) part_d_b_fc[col] += part_d_b_fc[blk * cols + col];
@@ -351,13 +346,8 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
         }
       }
     };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
+    else for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
       for (int64_t col = 0; col < cols; ++col) part_g_bo_part[col] += part_g_bo_part[blk * cols + col];
@@ -507,15 +497,15 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));

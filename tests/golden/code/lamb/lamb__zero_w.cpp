@@ -84,15 +84,15 @@ void lamb__zero_w(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i]) - k8_w1 * (coconet::to_compute(v_t0_w1[i]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i]) - k8_w1 * (coconet::to_compute(v_t0_w1[i]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));

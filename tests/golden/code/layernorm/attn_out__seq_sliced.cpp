@@ -38,19 +38,24 @@ void attn_out__seq_sliced(const coconet::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      v_h[i] = coconet::from_compute<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c2 * int64_t(1)]) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        v_h[i] = coconet::from_compute<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c2 * int64_t(1)]) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
+      }
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;

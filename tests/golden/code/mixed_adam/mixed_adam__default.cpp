@@ -48,10 +48,11 @@ void mixed_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
       const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(v_m[i]) + k2_m1 * x_gf);
       v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -60,9 +61,8 @@ void mixed_adam__default(const coconet::CallArgs& a) {
       const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k5_w1 * (x_m1 / k6_w1) / (std::sqrt(x_v1 / k7_w1) + k8_w1));
       v_w1[i] = coconet::from_compute<float>(x_w1);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
@@ -82,15 +82,15 @@ void mixed_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));

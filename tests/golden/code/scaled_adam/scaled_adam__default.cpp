@@ -44,15 +44,15 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
@@ -66,15 +66,15 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
@@ -105,10 +105,11 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
       v_m1[i] = coconet::from_compute<float>(x_m1);
       const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i])) : float(k5_v1 * coconet::to_compute(v_v[i]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
@@ -116,9 +117,8 @@ void scaled_adam__default(const coconet::CallArgs& a) {
       const float x_w1 = coconet::round_to<float>(((k7_w1) ? float(coconet::to_compute(v_w[i])) : float(coconet::to_compute(v_w[i]) - k8_w1 * (x_m1 / k9_w1) / (std::sqrt(x_v1 / k10_w1) + k11_w1))));
       v_w1[i] = coconet::from_compute<float>(x_w1);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
@@ -137,15 +137,15 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
@@ -160,15 +160,15 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_newscale[i] = coconet::from_compute<float>(k12_newscale);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_newscale[i] = coconet::from_compute<float>(k12_newscale);

@@ -48,15 +48,15 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_rs[i])) / k0_gf);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_rs[i])) / k0_gf);
@@ -70,15 +70,15 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
@@ -109,10 +109,11 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i + off * int64_t(1)])) : float(k2_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k3_m1 * coconet::to_compute(v_gf[i]))));
       v_m1[i] = coconet::from_compute<float>(x_m1);
       const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i + off * int64_t(1)])) : float(k5_v1 * coconet::to_compute(v_v[i + off * int64_t(1)]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
@@ -120,9 +121,8 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
       const float x_w1 = coconet::round_to<float>(((k7_w1) ? float(coconet::to_compute(v_w[i + off * int64_t(1)])) : float(coconet::to_compute(v_w[i + off * int64_t(1)]) - k8_w1 * (x_m1 / k9_w1) / (std::sqrt(x_v1 / k10_w1) + k11_w1))));
       v_w1[i] = coconet::from_compute<float>(x_w1);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i + off * int64_t(1)])) : float(k2_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k3_m1 * coconet::to_compute(v_gf[i]))));
@@ -141,15 +141,15 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
@@ -164,15 +164,15 @@ void scaled_adam__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_newscale[i] = coconet::from_compute<float>(k12_newscale);
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_newscale[i] = coconet::from_compute<float>(k12_newscale);

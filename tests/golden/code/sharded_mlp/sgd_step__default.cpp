@@ -28,15 +28,15 @@ void sgd_step__default(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_w1n[i] = coconet::from_compute<float>(coconet::to_compute(v_w1[i]) - k0_w1n * coconet::to_compute(v_d_w1[i]));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_w1n[i] = coconet::from_compute<float>(coconet::to_compute(v_w1[i]) - k0_w1n * coconet::to_compute(v_d_w1[i]));
@@ -51,15 +51,15 @@ void sgd_step__default(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+      COCONET_IVDEP
+    for (int64_t i = lo; i < hi; ++i) {
       v_w2n[i] = coconet::from_compute<float>(coconet::to_compute(v_w2[i]) - k1_w2n * coconet::to_compute(v_d_w2[i]));
     }
-    } else
-  #endif
-    {
+      });
+    } else {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
       v_w2n[i] = coconet::from_compute<float>(coconet::to_compute(v_w2[i]) - k1_w2n * coconet::to_compute(v_d_w2[i]));
