@@ -1,0 +1,125 @@
+"""One process, several threads: a GPT-2 block's forward and backward at one rank, coconet
+(examples/gpt_block.ccn's `gpt_block` as a pipeline layer: its derived forward and backward
+programs, coconetc.torch.pipeline.Layer) against nanoGPT's `Block` in torch eager (autograd,
+`scaled_dot_product_attention`), the same weights, at B in --batches, S=128, H=256, 4 heads
+(the pipeline bench's layer, bench/pipeline.py), f32.
+
+Each thread count T in --threads runs in a process of its own (coconet's threads are read once,
+at the first call: COCONET_THREADS=T; torch.set_num_threads(T)), the two sides interleaved,
+medians of --reps steps after two warm-up steps. What it shows: with T > 1, coconet's generated
+loops run on its own loop threads, which sleep between loops (runtime_cpp/coconet/loop_pool.h),
+beside the BLAS library's threads (OpenMP's workers spun between loops, and took the cores the
+GEMMs needed next: docs/performance.md).
+
+Run: python bench/block_threads.py [--threads 1,2] [--batches 1,2,4,8] [--reps 20] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+H, NH, S = 256, 4, 128
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def one(threads: int, batches: list[int], reps: int) -> dict:
+    """In this process (COCONET_THREADS already set): each batch's medians, coconet and torch."""
+    import coconetc  # noqa: F401  (before MPI starts: this process's shared-memory segment in a folder of its own)
+    import torch
+    torch.set_num_threads(threads)
+    from mpi4py import MPI
+
+    import nanogpt
+    from coconetc.paths import source_path
+    from coconetc.torch.gpt import block_parameters
+    from coconetc.torch.pipeline import Block
+    block = Block(source_path("gpt_block.ccn"), "gpt_block", comm=MPI.COMM_SELF)
+    torch.manual_seed(0)
+    ref = nanogpt.Block(nanogpt.GPTConfig(block_size=S, vocab_size=512, n_layer=1, n_head=NH, n_embd=H, dropout=0.0))
+    ws = {k: v.clone().contiguous().requires_grad_(True) for k, v in block_parameters(ref, NH).items()}
+    layer = block.layer(ws, scale=1 / math.sqrt(H // NH), pdrop=0.0, seed=0)
+    out = {}
+    for b in batches:
+        x, dy = torch.randn(b, S, H), torch.randn(b, S, H)
+        xt = x.clone().requires_grad_(True)
+        y = layer.forward(0, x)
+        dx = layer.backward(0, dy, False)
+        y_ref = ref(xt)
+        y_ref.backward(dy)
+        err = max(float((y - y_ref).abs().max()), float((dx - xt.grad).abs().max()))
+        if not err < 1e-4:
+            raise SystemExit(f"B={b}: coconet's block differs from nanoGPT's by {err:.3g}")
+
+        def coconet_step(x=x, dy=dy) -> None:
+            layer.forward(0, x)
+            layer.backward(0, dy, False)
+
+        def torch_step(xt=xt, dy=dy) -> None:
+            ref(xt).backward(dy)
+        cc, tt = [], []
+        for _ in range(3):  # (interleaved, a third of the reps each time)
+            cc.append(median_ms(coconet_step, max(1, reps // 3)))
+            tt.append(median_ms(torch_step, max(1, reps // 3)))
+        out[b] = {"coconet_ms": statistics.median(cc), "torch_ms": statistics.median(tt), "max_difference": err}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=ints, default=[1, 2])
+    ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8])
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # (a child: this thread count)
+    a = ap.parse_args()
+    if a.one is not None:
+        print(json.dumps(one(a.one, a.batches, a.reps)))
+        return 0
+    results = {}
+    for t in a.threads:
+        env = {**os.environ, "COCONET_THREADS": str(t), "OMP_NUM_THREADS": str(t)}
+        proc = subprocess.run([sys.executable, __file__, "--one", str(t), "--batches", ",".join(map(str, a.batches)),
+                               "--reps", str(a.reps)], env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            return proc.returncode
+        results[t] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nGPT-2 block forward + backward at one rank, S={S}, H={H}, {NH} heads, f32; medians of {a.reps} "
+          "steps, ms\n")
+    print("| threads | B | coconet | torch eager | speed-up (torch / coconet) |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for t, rows in results.items():
+        for b, r in rows.items():
+            print(f"| {t} | {b} | {r['coconet_ms']:.2f} | {r['torch_ms']:.2f} | {r['torch_ms'] / r['coconet_ms']:.2f}x |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"S": S, "H": H, "heads": NH, "reps": a.reps, "cpus": os.cpu_count(),
+                                            "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
