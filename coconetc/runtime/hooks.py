@@ -76,7 +76,7 @@ def quiet_osc_ucx() -> None:
 # removed when the process that made it exits. A directory the user names is kept.
 SEGMENTS = "OMPI_MCA_btl_sm_backing_directory"
 _PREFIX = "coconet-mpi-"
-_made: list[str] = []
+_made: dict[str, int] = {}  # the directories made, and the process that made each (a fork's parent)
 
 
 def ours(env) -> bool:
@@ -89,21 +89,23 @@ def new_segments() -> str:
     if not _made:
         atexit.register(_remove_made)
     shm = "/dev/shm"
-    _made.append(tempfile.mkdtemp(prefix=_PREFIX, dir=shm if os.access(shm, os.W_OK) else None))
-    return _made[-1]
+    d = tempfile.mkdtemp(prefix=_PREFIX, dir=shm if os.access(shm, os.W_OK) else None)
+    _made[d] = os.getpid()
+    return d
 
 
 def _remove_made() -> None:
-    for d in _made:
-        shutil.rmtree(d, ignore_errors=True)
+    for d, pid in list(_made.items()):
+        if pid == os.getpid():  # (a forked child that exits leaves its parent's alone)
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def release(env: dict[str, str]) -> None:
     """The job started in ENV has ended: its segment directory, if this process made it, goes now
     (not at exit)."""
     d = env.get(SEGMENTS)
-    if d in _made:
-        _made.remove(d)
+    if d is not None and _made.get(d) == os.getpid():
+        del _made[d]
         shutil.rmtree(d, ignore_errors=True)
 
 
