@@ -37,7 +37,7 @@ from coconetc.codegen.extern_libs import Libs
 from coconetc.paths import runtime_dir
 from coconetc.toolchain import artifacts, probes
 from coconetc.toolchain.probes import (ENV_BUILD_JOBS, ENV_VERBOSE, BuildError, cache_dir, cuda_toolchain,
-                                       toolchain)
+                                       toolchain, vector_math)
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -63,6 +63,7 @@ def _cpu_flags(include_dirs: tuple[str, ...] = ()) -> list[str]:
     the tests build so)."""
     tc = toolchain()
     return ["-std=c++17", *cpu.CXX_FLAGS, "-fPIC", "-fvisibility=hidden", "-fopenmp", "-pthread",
+            *(["-DCOCONET_VECTOR_MATH"] if vector_math() else []),
             f"-I{runtime_dir()}", f"-I{tc.blas_include}", *(f"-I{d}" for d in include_dirs),
             *shlex.split(os.environ.get("CXXFLAGS", ""))]
 
@@ -146,9 +147,10 @@ def _library(prefix: str, name: str, text: str, cmd: list[str], key_parts: list[
 
 
 def _blas() -> list[str]:
-    """Linking the BLAS library (a run path to its folder)."""
+    """Linking the BLAS library (a run path to its folder), and glibc's vector math library where
+    the units use it (probes.vector_math)."""
     lib = Path(toolchain().blas_lib)
-    return [f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"]
+    return [f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}", *(["-lmvec"] if vector_math() else [])]
 
 
 def _runtime_link(library: Path) -> list[str]:

@@ -219,6 +219,23 @@ def compiler_hash() -> str:
 
 
 @cache
+def vector_math() -> bool:
+    """Whether glibc's vector math library (libmvec) is there to link, on x86-64 Linux: the CPU
+    builds then give the generated loops' float exp, log and tanh its vector versions
+    (COCONET_VECTOR_MATH, runtime_cpp/coconet/module.h), so such a loop vectorizes."""
+    import platform
+    import subprocess
+    if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
+        return False
+    try:
+        out = subprocess.run([toolchain().mpicxx, "-print-file-name=libmvec.so"], capture_output=True, text=True,
+                             timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return os.path.isabs(out) and os.path.exists(out)
+
+
+@cache
 def cuda_hash() -> str:
     """compiler_hash, the CUDA runtime headers and the CUDA binding (coconet/cuda/bind.cu)."""
     h = hashlib.sha256(compiler_hash().encode())
