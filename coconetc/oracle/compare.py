@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -44,24 +45,20 @@ def check_compiled(results: Sequence[RankResults], ir: Program, inputs: Sequence
 def compare(ref: Sequence[Result], got: Sequence[Result], src: Program, dst: Program,
             groups: int = 1, exact: Callable[[], Sequence[Result] | None] | None = None) -> list[str]:
     """Differences between runs of src (ref) and dst (got) beyond dtype tolerance. EXACT: a run
-    of dst widened to f64 on got's inputs (widened_run), made only if a difference is found: a
+    of dst widened to f64 on got's inputs (widened_run), called only if a difference is found: a
     result that is as accurate as ref's against it matches (cancelling sums of large terms carry
     more rounding than any fixed tolerance allows)."""
     gs = len(ref) // groups
     loosest = _loosest(src)
     problems = []
-    widened: list[Sequence[Result] | None] = []
 
     def diff(what: str, want: np.ndarray, have: np.ndarray | None, r: int, kind: str, name: str) -> list[str]:
         found = _diff(what, want, have, loosest)
         if (not found or exact is None or have is None or want.shape != have.shape or want.dtype != have.dtype
                 or want.dtype.kind != "f"):  # (a missing result, another shape or dtype: no second look)
             return found
-        if not widened:
-            widened.append(exact())
-        if widened[0] is None:
-            return found
-        truth = getattr(widened[0][r], kind).get(name)
+        wide = exact()
+        truth = None if wide is None else getattr(wide[r], kind).get(name)
         return found if truth is None else _as_accurate(what, want, have, truth) or []
 
     for r, (a, b) in enumerate(zip(ref, got)):
@@ -77,8 +74,10 @@ def compare(ref: Sequence[Result], got: Sequence[Result], src: Program, dst: Pro
 
 def widened_run(p: Program, inputs: Sequence[Mapping[str, Any]],
                 groups: int = 1) -> Callable[[], Sequence[Result] | None]:
-    """A run of P with every float widened to f64 (types, casts, inputs), made when called;
-    None for a program that computes in f64 only, or that the interpreter cannot run widened."""
+    """A run of P with every float widened to f64 (types, casts, inputs), made when first called
+    (once); None for a program that computes in f64 only, or that the interpreter cannot run
+    widened."""
+    @cache
     def made() -> Sequence[Result] | None:
         wide = _widened(p)
         if wide == p:

@@ -86,14 +86,13 @@ def ours(env) -> bool:
 
 def new_segments() -> str:
     """A new segment directory (in /dev/shm where it can be written), removed at exit."""
-    if not _made:
-        atexit.register(_remove_made)
     shm = "/dev/shm"
     d = tempfile.mkdtemp(prefix=_PREFIX, dir=shm if os.access(shm, os.W_OK) else None)
     _made[d] = os.getpid()
     return d
 
 
+@atexit.register
 def _remove_made() -> None:
     for d, pid in list(_made.items()):
         if pid == os.getpid():  # (a forked child that exits leaves its parent's alone)

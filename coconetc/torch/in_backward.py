@@ -199,15 +199,13 @@ class AdamWInBackward(torch.optim.Optimizer):
         at = 0
         for name in names:
             t = self._units.parts._params[name]
-            st = self.state[t]
-            n = t.numel()
-            views = [f[at:at + n].view(t.shape) for f in flats]
+            views = [f[at:at + t.numel()].view(t.shape) for f in flats]
             with torch.no_grad():
                 for view, src in zip(views, self._tensors(name)):
                     view.copy_(src)
             t.data = views[0]
-            st["exp_avg"], st["exp_avg_sq"] = views[1], views[2]
-            at += n
+            self.state[t]["exp_avg"], self.state[t]["exp_avg_sq"] = views[1], views[2]
+            at += t.numel()
         self._flats[key] = flats
         return flats
 
@@ -217,7 +215,7 @@ class AdamWInBackward(torch.optim.Optimizer):
         for name in names:
             ts = self._tensors(name)
             for f, t in zip(flats, ts):
-                if t.numel() and (t.data_ptr() != f.data_ptr() + 4 * at or not t.is_contiguous()
+                if t.numel() and (t.data_ptr() != f.data_ptr() + f.element_size() * at or not t.is_contiguous()
                                   or t.dtype != torch.float32):
                     return False
             at += ts[0].numel()

@@ -124,11 +124,7 @@ class CpuLoops:
         self.w.emit("    const int64_t rn = std::min<int64_t>(rb, rows - r0);")
         self.w.emit(f"    {gemm}")
         self.w.emit("    const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;")
-        if needs_coords:
-            self.row_runs(t, "lo", "hi", [store])
-        else:
-            self.w.emit("  COCONET_IVDEP")
-            self._for(t, store, False, "lo", "hi")
+        self._range(t, store, needs_coords, "  ")
         self.w.emit("  }")
         self.w.emit("}")
 
@@ -169,11 +165,7 @@ class CpuLoops:
                         "[&](int64_t blk) {")
             self.w.emit("    const int64_t lo = blk * coconet::kParallelMin, "
                         "hi = std::min<int64_t>(n, lo + coconet::kParallelMin);")
-            if needs_coords and t.ndim > 0:
-                self.row_runs(t, "lo", "hi", [store])
-            else:
-                self.w.emit("    COCONET_IVDEP")
-                self._for(t, store, False, "lo", "hi")
+            self._range(t, store, needs_coords, "    ")
             self.w.emit("    });")
             self.w.emit("  } else {")
             if needs_coords and t.ndim > 0:
@@ -187,6 +179,15 @@ class CpuLoops:
     def _store(self, t: TType, e: Expr, target: str) -> str:
         """One item's line: TARGET = e at element i of a loop over t."""
         return f"{target} = coconet::from_compute<{CTYPE[t.dtype]}>({emit(e, self.idx.loader(t), self.idx.extra(t))});"
+
+    def _range(self, t: TType, store: str, needs_coords: bool, pad: str) -> None:
+        """The elements from lo to hi (locals in scope): in runs along the last dim where the
+        coordinates are needed (row_runs), else one plain loop (PAD: the pragma's indent)."""
+        if needs_coords and t.ndim > 0:
+            self.row_runs(t, "lo", "hi", [store])
+        else:
+            self.w.emit(f"{pad}COCONET_IVDEP")
+            self._for(t, store, False, "lo", "hi")
 
     def _for(self, t: TType, store: str, needs_coords: bool, lo: str = "0", hi: str = "n") -> None:
         self.w.emit(f"  for (int64_t i = {lo}; i < {hi}; ++i) {{")
