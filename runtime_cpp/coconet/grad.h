@@ -83,32 +83,6 @@ void mean_last(const T* x, T* out, int64_t rows, int64_t h) {
   }
 }
 
-// The sum of f(j) over j in [0, h) (in C) and f(j) for each j: one thread's row (layernorm_dx_of).
-// The sum runs in kLanes lanes (j mod kLanes), added pairwise at the end, so that the compiler
-// vectorizes it (one accumulator is a chain of dependent adds: layernorm's derived program took
-// 24 ms instead of 5 ms at 4096 rows of 1024, f32, one rank); its rounding differs from one loop's
-// by the order.
-template <class C>
-struct RowLoop {
-  static constexpr int kLanes = 16;
-  int64_t h;
-  template <class F>
-  C sum(F f) const {
-    C lane[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= h; j += kLanes)
-      for (int k = 0; k < kLanes; ++k) lane[k] += f(j + k);
-    for (int k = 0; j < h; ++j, ++k) lane[k] += f(j);
-    for (int w = kLanes / 2; w > 0; w /= 2)
-      for (int k = 0; k < w; ++k) lane[k] += lane[k + w];
-    return lane[0];
-  }
-  template <class F>
-  void each(F f) const {
-    for (int64_t j = 0; j < h; ++j) f(j);
-  }
-};
-
 // layernorm's input gradient of one row of h elements by one thread (pointwise.h layernorm_dx_of,
 // its sums in RowLoop's lanes): x(j) and dy(j) read element j in C, out(j, v) takes its value v in
 // C. The library call below, and a CPU fused collective's row-wise phase (codegen/cpu/fused.py).

@@ -58,11 +58,14 @@ template <class T, class C> COCONET_HD inline compute_t<T> cast_to(C x) {
 template <> COCONET_HD inline float cast_to<half, float>(float x) { return round_to<half>(x); }
 template <> COCONET_HD inline float cast_to<bfloat16, float>(float x) { return round_to<bfloat16>(x); }
 
-// dropout: keep with probability 1-p (Philox, rng.h), scale survivors by 1/(1-p).
+// dropout: keep with probability 1-p (Philox, rng.h), scale survivors by 1/(1-p); p >= 1 (or NaN):
+// 0. Every value is computed whatever p and then selected, with no branch and no division that
+// only some p reach (which GCC will not if-convert: a loop of it then did not vectorize).
 template <class C>
 COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t gidx) {
-  if (!dropout_keep(static_cast<uint64_t>(seed), site, gidx, dropout_threshold(p))) return C(0);
-  return p < 1.0 ? x * static_cast<C>(1.0 / (1.0 - p)) : C(0);
+  const bool keep = dropout_keep(static_cast<uint64_t>(seed), site, gidx, dropout_threshold(p));
+  const C scale = static_cast<C>(1.0 / (1.0 - (p >= 1.0 ? 0.0 : p)));
+  return keep && p < 1.0 ? x * scale : C(0);
 }
 
 // The layernorm of one row over the last dim (H elements), in the compute type C, as the
@@ -108,18 +111,40 @@ COCONET_HD inline void layernorm_dx_of(X x, const G* gamma, D dy, C eps, int64_t
   });
 }
 
-// layernorm_of by one thread, element after element: the CPU runtime's layernorm (kernels.h)
+// The sum of f(j) over j in [0, h) (in C) and f(j) for each j: one thread's row (layernorm_of,
+// layernorm_dx_of, softmax_of's sum).
+// The sum runs in kLanes lanes (j mod kLanes), added pairwise at the end, so that the compiler
+// vectorizes it (one accumulator is a chain of dependent adds: layernorm's derived program took
+// 24 ms instead of 5 ms at 4096 rows of 1024, f32, one rank; layernorm's forward 0.65 ms instead
+// of 0.2 at 1024 rows of 256); its rounding differs from one loop's by the order.
+template <class C>
+struct RowLoop {
+  static constexpr int kLanes = 16;
+  int64_t h;
+  template <class F>
+  COCONET_HD C sum(F f) const {
+    C lane[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= h; j += kLanes)
+      for (int k = 0; k < kLanes; ++k) lane[k] += f(j + k);
+    for (int k = 0; j < h; ++j, ++k) lane[k] += f(j);
+    for (int w = kLanes / 2; w > 0; w /= 2)
+      for (int k = 0; k < w; ++k) lane[k] += lane[k + w];
+    return lane[0];
+  }
+  template <class F>
+  COCONET_HD void each(F f) const {
+    for (int64_t j = 0; j < h; ++j) f(j);
+  }
+};
+
+// layernorm_of by one thread, its sums in RowLoop's lanes: the CPU runtime's layernorm (kernels.h)
 // and a CPU fused collective's row-wise phase (codegen/cpu/fused.py).
 template <class C, class X, class G, class B, class Out>
 COCONET_HD inline void layernorm_row_by(X x, const G* g, const B* b, C eps, int64_t H, Out out) {
-  const auto sum = [&](auto f) {
-    C s = 0;
-    for (int64_t j = 0; j < H; ++j) s += f(j);
-    return s;
-  };
-  const auto each = [&](auto f) {
-    for (int64_t j = 0; j < H; ++j) f(j);
-  };
+  const RowLoop<C> row{H};
+  const auto sum = [&](auto f) { return row.sum(f); };
+  const auto each = [&](auto f) { row.each(f); };
   layernorm_of(x, g, b, eps, H, sum, each, out);
 }
 
@@ -169,11 +194,7 @@ COCONET_HD inline void softmax_row(const T* xr, int64_t H, T* yr) {
     for (int64_t j = 0; j < H; ++j) m = max_step(m, f(j));
     return m;
   };
-  const auto total = [&](auto f) {
-    C s = 0;
-    for (int64_t j = 0; j < H; ++j) s += f(j);
-    return s;
-  };
+  const auto total = [&](auto f) { return RowLoop<C>{H}.sum(f); };
   const auto each = [&](auto f) {
     for (int64_t j = 0; j < H; ++j) f(j);
   };

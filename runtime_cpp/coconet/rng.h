@@ -101,11 +101,12 @@ COCONET_HD constexpr uint32_t site_key(const char* name, size_t len) {
 }
 
 // floor(p * 2^24) in double, clamped to [0, 2^24]. NaN maps to 0 (keep everything); the Python
-// reference rejects NaN instead, since device code cannot report an error.
+// reference rejects NaN instead, since device code cannot report an error. Without branches (a
+// value selected, the conversion always in range), so a dropout loop vectorizes (pointwise.h).
 COCONET_HD inline uint32_t dropout_threshold(double p) {
-  if (!(p > 0.0)) return 0u;  // also catches NaN
-  if (p >= 1.0) return kDropAll;
-  return static_cast<uint32_t>(p * 16777216.0);  // positive, < 2^24: truncation == floor
+  const double q = p > 0.0 && p < 1.0 ? p : 0.0;                     // NaN: 0
+  const uint32_t below = static_cast<uint32_t>(q * 16777216.0);  // in [0, 2^24): truncation == floor
+  return p >= 1.0 ? kDropAll : below;
 }
 
 // Word 0 of philox4x32(c0, c1, c2, c3, k0, k1), the word dropout uses, for the host's
