@@ -92,12 +92,15 @@ def test_fused_symmetric_branch_runs_the_pipeline_element_math(example):
 
 def test_loops_use_the_shared_element_emitter(example):
     """The kernel body is the CPU loop's element math (codegen/emit.py): on the element path the
-    same text; in the vector path's lanes the same text but for the operands, read from the
-    vector loaded (in_x[u]) instead of memory (v_x[i])."""
+    same text (the CPU loop's operands read through its local copies, l_x: Writer.closure_locals);
+    in the vector path's lanes the same text but for the operands, read from the vector loaded
+    (in_x[u]) instead of memory (v_x[i])."""
     from coconetc.codegen.cpu.render import render as render_cpu
     mod = example("adam.ccn")
     p = mod.programs["adam"]
     cpu = "\n".join(render_cpu(plan_program(p, "default"), "f", "adam.ccn", []).body)
+    assert "const auto l_v_m = v_m;" in cpu
+    cpu = re.sub(r"\bl_(?=v_|k\d+_)", "", cpu)
     cuda = "\n".join(generate(mod, "m").functions[("adam", "default")].body)
     vec, elem = cuda.split("th.elements()")
     lanes = [ln.strip() for ln in vec.splitlines() if ln.strip().startswith("const float x_")]

@@ -330,3 +330,36 @@ def test_header_compiles_with_nvcc(tmp_path):
            "-o", str(tmp_path / "rng_check.o")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"nvcc failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+DROP = """program drop(x: f32[N] replicated, a: f32[N] replicated, p: f32, seed: i64) {
+    y = x + dropout(a, p, seed)
+    return y
+}
+"""
+
+
+def test_compiled_dropout_at_rate_zero_is_its_input_and_draws_otherwise(tmp_path):
+    """A compiled dropout loop over more than the loop threads' block (2^16 elements), one module
+    called at p = 0 and at p = 0.3: at 0 the loop's copy for rate 0 (no draws) gives x + a
+    bit for bit; at 0.3 it draws the interpreter's masks (rng.py), the kept elements scaled."""
+    import coconetc
+    from coconetc.interp.interpreter import run
+    from coconetc.sourcefile import load_file
+    path = tmp_path / "drop.ccn"
+    path.write_text(DROP)
+    mod, prog = coconetc.load(path, log=lambda msg: None), load_file(path).program("drop")
+    g = np.random.default_rng(5)
+    n = 3 * (1 << 16) + 5
+    x, a = g.standard_normal(n).astype(np.float32), g.standard_normal(n).astype(np.float32)
+    for p in (0.0, 0.3):
+        args = {"x": x, "a": a, "p": np.float32(p), "seed": np.int64(-77)}
+        got = mod.drop(**args)
+        want = run(prog, [args])[0].outputs["y"]
+        kept = got != x
+        assert np.array_equal(kept, want != x)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+        if p == 0.0:
+            np.testing.assert_array_equal(got, x + a)
+        else:
+            assert 0.25 < 1 - kept.mean() < 0.35

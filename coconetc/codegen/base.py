@@ -9,12 +9,21 @@ writes through it (self.w.emit, self.w.ldims, self.w.consts, ...)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
 from coconetc.plan.units import Plan
+
+
+# What a lambda's body reads of its enclosing function (codegen/cpu: the loops on the loop threads,
+# the column-sum blocks, a fused collective's chunks): the buffers' pointers (v_), the Lets
+# (k<n>_) and the sizes (S_, L<k>). Writer.closure_locals copies them into locals at the top of
+# the body.
+_CAPTURED = r"v_\w+|k\d+_\w+|L\d+|S_\w+"
+_ASSIGNED = re.compile(r"\b(\w+)\s*(?:\[1\]\s*)?[-+*/|&]?=(?!=)")  # NAME = / NAME += (not NAME[i] = ...)
 
 
 @dataclass
@@ -82,6 +91,31 @@ class Writer:
         """The comment before a unit: the schedule, what the unit is, its .ccn line."""
         where = f"{self.file}:{line}" if line else self.file
         self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+
+    @contextmanager
+    def closure_locals(self, pad: str, also: tuple[str, ...] = ()) -> Iterator[None]:
+        """The lines emitted inside: a lambda's body that captures by reference. Each pointer,
+        Let and size it reads of the enclosing function (and each name in ALSO: other locals of
+        the enclosing function it reads) is copied into a local (l_NAME) first and read from
+        there: GCC does not vectorize a loop whose base pointers it loads through the closure
+        (-fopt-info-vec: "evolution of base is not affine"), so without the copies a loop on the
+        loop threads ran scalar. PAD: the declarations' indent."""
+        start = len(self.lines)
+        yield
+        body = self.lines[start:]
+        captured = re.compile(rf"\b({'|'.join([_CAPTURED, *also])})\b")
+        code = [part for line in body for part in line.split('"')[::2]]  # outside string literals
+        assigned = {m for part in code for m in _ASSIGNED.findall(part)}
+        names = sorted({m for part in code for m in captured.findall(part)} - assigned)
+        if not names:
+            return
+        keep = set(names)
+
+        def local(line: str) -> str:
+            parts = line.split('"')
+            parts[::2] = [captured.sub(lambda m: f"l_{m[1]}" if m[1] in keep else m[1], p) for p in parts[::2]]
+            return '"'.join(parts)
+        self.lines[start:] = [f"{pad}const auto l_{n} = {n};" for n in names] + [local(line) for line in body]
 
     @contextmanager
     def saved_consts(self) -> Iterator[None]:

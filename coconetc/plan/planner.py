@@ -153,7 +153,33 @@ def execution_order(p: Program) -> list[Stage]:
                 placed.add(x.name)
         order.append(s)
         placed.add(s.name)
-    return order + pending
+    return _next_to_reader(p, order + pending)
+
+
+def _pointwise_compute(p: Program, s: Stage) -> bool:
+    """A compute stage of pointwise operations over its elements only (what a loop computes),
+    in no fusion and no overlap."""
+    return (s.kind == "compute" and s.type.ndim > 0 and p.fusion_of(s.name) is None
+            and all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr))
+            and not any(s.name in (o.producer, o.consumer) for o in p.overlaps))
+
+
+def _next_to_reader(p: Program, order: list[Stage]) -> list[Stage]:
+    """A pointwise stage that one later pointwise stage of its type reads, and no other stage,
+    moved to just before that reader, so that the two share one loop and the value stays in a
+    register (a derived program recomputes a GELU's input, hm + b_fc, at its start for the
+    GELU's backward after two GEMMs: written and read again, 8 bytes an element, without
+    this). Not a value the program returns or writes in place."""
+    kept = {x for _, x in p.outputs + p.updates}
+    out = list(order)
+    for s in order:
+        users = p.users(s.name)
+        if (s.name in kept or len(users) != 1 or not _pointwise_compute(p, s)
+                or not _pointwise_compute(p, users[0]) or users[0].type != s.type):
+            continue
+        out.remove(s)
+        out.insert(out.index(users[0]), s)
+    return out
 
 
 def _read_by_fusions(p: Program) -> dict[str, list[Stage]]:

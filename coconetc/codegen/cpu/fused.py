@@ -169,8 +169,9 @@ class CpuFused:
         return f"{off} * {_prod(self.w.gdims(t)[d0 + 1:])}"
 
     def chunk(self, u: Fused, o: str) -> None:
-        """The callback's body: the Lets, where [gb, ge) lies, the phases' loops."""
-        with self.w.saved_consts():
+        """The callback's body: the Lets, where [gb, ge) lies, the phases' loops (what it reads
+        of the enclosing function in locals, so that its loops vectorize: Writer.closure_locals)."""
+        with self.w.saved_consts(), self.w.closure_locals("  "):
             self.loops.render_lets(u.lets)  # locals of the callback (in registers; not captured)
             t = u.type
             d = u.dim
@@ -183,13 +184,16 @@ class CpuFused:
                       "hi = lo + (ge - gb);")
             self.w.emit(f"  const int64_t off = {off};")
             self.w.emit("  (void)off; (void)hi;")
-            for ph in u.phases:
-                if ph.kind == "rows":
-                    self._chunk_rows(u, ph.items[0], d)
-                else:
-                    self._chunk_pointwise(u, ph, d)
-            for r in u.accumulated("cpu"):  # the chunk's part of each reduction (Fused.partials)
-                self._accumulate(u, r)
+
+            def phases() -> None:
+                for ph in u.phases:
+                    if ph.kind == "rows":
+                        self._chunk_rows(u, ph.items[0], d)
+                    else:
+                        self._chunk_pointwise(u, ph, d)
+                for r in u.accumulated("cpu"):  # the chunk's part of each reduction (Fused.partials)
+                    self._accumulate(u, r)
+            self.idx.unswitch_dropout("  ", phases)
 
     def _chunk_rows(self, u: Fused, item: Item, d0: int) -> None:
         assert isinstance(item.expr, Op)

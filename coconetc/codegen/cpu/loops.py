@@ -50,9 +50,11 @@ class CpuLoops:
         coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
         base = self.idx.loader(t)
         stored = {name for name, _, st in items if st}
-        body = pointwise.values(self.idx, items, {}, lambda name: (t, base),
-                                lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype)
-        body += [f"cs_{c.dst}[col] += x_{c.value};" for c in sums]
+
+        def body() -> list[str]:
+            return [*pointwise.values(self.idx, items, {}, lambda name: (t, base),
+                                      lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype),
+                    *(f"cs_{c.dst}[col] += x_{c.value};" for c in sums)]
         last, ld = t.ndim - 1, self.w.ldims(t)
         w = self.w
         w.emit("{  // and the column sums " + ", ".join(f"{c.dst} of {c.value}" for c in sums))
@@ -65,23 +67,27 @@ class CpuLoops:
         for c in sums:
             w.emit(f"  std::vector<{COMPUTE[w.types[c.value].dtype]}> part_{c.dst}(size_t(std::max<int64_t>(nb, 1) * cols));")
         w.emit("  auto block = [&](int64_t blk) {")
-        for c in sums:
-            w.emit(f"    {COMPUTE[w.types[c.value].dtype]}* const cs_{c.dst} = part_{c.dst}.data() + blk * cols;")
-        w.emit("    for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {")
-        if coords:
-            w.emit("      int64_t rest = row;")
-            for line in coord_lines(range(last)):
-                w.emit(f"      {line}")
-            w.emit("      (void)rest;")
-        w.emit("      COCONET_IVDEP")
-        w.emit("      for (int64_t col = 0; col < cols; ++col) {")
-        w.emit("        const int64_t i = row * cols + col;")
-        if coords:
-            w.emit(f"        const int64_t c{last} = col;")
-        for line in body:
-            w.emit(f"        {line}")
-        w.emit("      }")
-        w.emit("    }")
+        with w.closure_locals("    ", also=("cols", "rows", "rb")):
+            for c in sums:
+                w.emit(f"    {COMPUTE[w.types[c.value].dtype]}* const cs_{c.dst} = part_{c.dst}.data() + blk * cols;")
+
+            def rows_() -> None:
+                w.emit("    for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {")
+                if coords:
+                    w.emit("      int64_t rest = row;")
+                    for line in coord_lines(range(last)):
+                        w.emit(f"      {line}")
+                    w.emit("      (void)rest;")
+                w.emit("      COCONET_IVDEP")
+                w.emit("      for (int64_t col = 0; col < cols; ++col) {")
+                w.emit("        const int64_t i = row * cols + col;")
+                if coords:
+                    w.emit(f"        const int64_t c{last} = col;")
+                for line in body():
+                    w.emit(f"        {line}")
+                w.emit("      }")
+                w.emit("    }")
+            self.idx.unswitch_dropout("    ", rows_)
         w.emit("  };")
         w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);")
         w.emit("  else for (int64_t blk = 0; blk < nb; ++blk) block(blk);")
@@ -134,14 +140,16 @@ class CpuLoops:
         segmented = seg_dst is not None or self._reads_scattered([e for _, e, _ in items], regs)
         needs_coords = self.idx.needs_coords(t, [e for _, e, _ in items], regs)
         base = self.idx.loader(t)
-        if len(items) == 1:
-            name, e, _ = items[0]
-            store = self._store(t, e, f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]")
-        else:
+
+        def stores() -> str:
+            if len(items) == 1:
+                name, e, _ = items[0]
+                return self._store(t, e, f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]")
             stored = {name for name, _, st in items if st}
             lines = pointwise.values(self.idx, items, {}, lambda name: (t, base),
                                      lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype)
-            store = "\n      ".join(lines)
+            return "\n      ".join(lines)
+        store = stores()
         self.w.emit("{")
         for line in self.idx.loop_head(t, needs_coords):
             self.w.emit(f"  {line}")
@@ -156,24 +164,25 @@ class CpuLoops:
             self.w.emit("    }")
             self.w.emit("  }")
         else:
-            # a plain loop (vectorizable: operands are locals, not captured by a closure), and a
-            # copy of it in blocks of kParallelMin elements on the loop threads (runtime_cpp/
-            # coconet/loop_pool.h) for large loops when cores are left over
+            # the elements from lo to hi, run on all of them, or in blocks of kParallelMin elements
+            # on the loop threads (runtime_cpp/coconet/loop_pool.h) for large loops when cores are
+            # left over. Its operands are read into locals first (closure_locals): a Let the
+            # lambda captures has its address taken, and a float one may then be any float
+            # store's target, so a loop in the enclosing function reloaded it every element (a
+            # dropout's rate: its threshold and scale computed again each time; not vectorized)
             self.w.emit(f"  const int64_t n = {n};")
-            self.w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
+            self.w.emit("  auto run = [&](int64_t lo, int64_t hi) {")
+            with self.w.closure_locals("    "):
+                self.idx.unswitch_dropout("    ", lambda: self._range(t, stores(), needs_coords, "    "))
+            self.w.emit("  };")
+            self.w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1)")
             self.w.emit("    coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, "
                         "[&](int64_t blk) {")
-            self.w.emit("    const int64_t lo = blk * coconet::kParallelMin, "
-                        "hi = std::min<int64_t>(n, lo + coconet::kParallelMin);")
-            self._range(t, store, needs_coords, "    ")
+            self.w.emit("      const int64_t lo = blk * coconet::kParallelMin;")
+            self.w.emit("      run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));")
             self.w.emit("    });")
-            self.w.emit("  } else {")
-            if needs_coords and t.ndim > 0:
-                self.row_runs(t, "int64_t(0)", "n", [store])
-            else:
-                self.w.emit("  COCONET_IVDEP")
-                self._for(t, store, needs_coords)
-            self.w.emit("  }")
+            self.w.emit("  else")
+            self.w.emit("    run(0, n);")
         self.w.emit("}")
 
     def _store(self, t: TType, e: Expr, target: str) -> str:

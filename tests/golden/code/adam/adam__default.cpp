@@ -44,34 +44,41 @@ void adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_m1 = k0_m1;
+      const auto l_k1_m1 = k1_m1;
+      const auto l_k2_v1 = k2_v1;
+      const auto l_k3_v1 = k3_v1;
+      const auto l_k4_mh = k4_mh;
+      const auto l_k5_vh = k5_vh;
+      const auto l_k6_w1 = k6_w1;
+      const auto l_k7_w1 = k7_w1;
+      const auto l_v_g1 = v_g1;
+      const auto l_v_m = v_m;
+      const auto l_v_m1 = v_m1;
+      const auto l_v_v = v_v;
+      const auto l_v_v1 = v_v1;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(v_g1[i]));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i]) + k3_v1 * coconet::to_compute(v_g1[i]) * coconet::to_compute(v_g1[i]));
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_mh = coconet::round_to<float>(x_m1 / k4_mh);
-      const float x_vh = coconet::round_to<float>(x_v1 / k5_vh);
-      const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k6_w1 * x_mh / (std::sqrt(x_vh) + k7_w1));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
+      const float x_m1 = coconet::round_to<float>(l_k0_m1 * coconet::to_compute(l_v_m[i]) + l_k1_m1 * coconet::to_compute(l_v_g1[i]));
+      l_v_m1[i] = coconet::from_compute<float>(x_m1);
+      const float x_v1 = coconet::round_to<float>(l_k2_v1 * coconet::to_compute(l_v_v[i]) + l_k3_v1 * coconet::to_compute(l_v_g1[i]) * coconet::to_compute(l_v_g1[i]));
+      l_v_v1[i] = coconet::from_compute<float>(x_v1);
+      const float x_mh = coconet::round_to<float>(x_m1 / l_k4_mh);
+      const float x_vh = coconet::round_to<float>(x_v1 / l_k5_vh);
+      const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i]) - l_k6_w1 * x_mh / (std::sqrt(x_vh) + l_k7_w1));
+      l_v_w1[i] = coconet::from_compute<float>(x_w1);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(v_g1[i]));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i]) + k3_v1 * coconet::to_compute(v_g1[i]) * coconet::to_compute(v_g1[i]));
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_mh = coconet::round_to<float>(x_m1 / k4_mh);
-      const float x_vh = coconet::round_to<float>(x_v1 / k5_vh);
-      const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k6_w1 * x_mh / (std::sqrt(x_vh) + k7_w1));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
 }

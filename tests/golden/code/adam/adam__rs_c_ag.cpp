@@ -47,34 +47,41 @@ void adam__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_m1 = k0_m1;
+      const auto l_k1_m1 = k1_m1;
+      const auto l_k2_v1 = k2_v1;
+      const auto l_k3_v1 = k3_v1;
+      const auto l_k4_mh = k4_mh;
+      const auto l_k5_vh = k5_vh;
+      const auto l_k6_w1 = k6_w1;
+      const auto l_k7_w1 = k7_w1;
+      const auto l_v_m = v_m;
+      const auto l_v_m1 = v_m1;
+      const auto l_v_rs = v_rs;
+      const auto l_v_v = v_v;
+      const auto l_v_v1 = v_v1;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k1_m1 * coconet::to_compute(v_rs[i]));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i + off * int64_t(1)]) + k3_v1 * coconet::to_compute(v_rs[i]) * coconet::to_compute(v_rs[i]));
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_mh = coconet::round_to<float>(x_m1 / k4_mh);
-      const float x_vh = coconet::round_to<float>(x_v1 / k5_vh);
-      const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k6_w1 * x_mh / (std::sqrt(x_vh) + k7_w1));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
+      const float x_m1 = coconet::round_to<float>(l_k0_m1 * coconet::to_compute(l_v_m[i + off * int64_t(1)]) + l_k1_m1 * coconet::to_compute(l_v_rs[i]));
+      l_v_m1[i] = coconet::from_compute<float>(x_m1);
+      const float x_v1 = coconet::round_to<float>(l_k2_v1 * coconet::to_compute(l_v_v[i + off * int64_t(1)]) + l_k3_v1 * coconet::to_compute(l_v_rs[i]) * coconet::to_compute(l_v_rs[i]));
+      l_v_v1[i] = coconet::from_compute<float>(x_v1);
+      const float x_mh = coconet::round_to<float>(x_m1 / l_k4_mh);
+      const float x_vh = coconet::round_to<float>(x_v1 / l_k5_vh);
+      const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - l_k6_w1 * x_mh / (std::sqrt(x_vh) + l_k7_w1));
+      l_v_w1[i] = coconet::from_compute<float>(x_w1);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k1_m1 * coconet::to_compute(v_rs[i]));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i + off * int64_t(1)]) + k3_v1 * coconet::to_compute(v_rs[i]) * coconet::to_compute(v_rs[i]));
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_mh = coconet::round_to<float>(x_m1 / k4_mh);
-      const float x_vh = coconet::round_to<float>(x_v1 / k5_vh);
-      const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k6_w1 * x_mh / (std::sqrt(x_vh) + k7_w1));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);

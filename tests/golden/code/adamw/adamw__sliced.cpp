@@ -48,20 +48,21 @@ void adamw__sliced(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_c = k0_c;
+      const auto l_v_c = v_c;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_c[i] = coconet::from_compute<float>(k0_c);
+      l_v_c[i] = coconet::from_compute<float>(l_k0_c);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_c[i] = coconet::from_compute<float>(k0_c);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_2.end();
   coconet::trace::Unit trace_3(3);
@@ -80,36 +81,44 @@ void adamw__sliced(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k10_w1 = k10_w1;
+      const auto l_k1_gc = k1_gc;
+      const auto l_k2_m1 = k2_m1;
+      const auto l_k3_m1 = k3_m1;
+      const auto l_k4_v1 = k4_v1;
+      const auto l_k5_v1 = k5_v1;
+      const auto l_k6_mh = k6_mh;
+      const auto l_k7_vh = k7_vh;
+      const auto l_k8_w1 = k8_w1;
+      const auto l_k9_w1 = k9_w1;
+      const auto l_v_m = v_m;
+      const auto l_v_m1 = v_m1;
+      const auto l_v_rs = v_rs;
+      const auto l_v_v = v_v;
+      const auto l_v_v1 = v_v1;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
-      const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * x_gc);
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(k4_v1 * coconet::to_compute(v_v[i]) + k5_v1 * x_gc * x_gc);
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_mh = coconet::round_to<float>(x_m1 / k6_mh);
-      const float x_vh = coconet::round_to<float>(x_v1 / k7_vh);
-      const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k8_w1 * (x_mh / (std::sqrt(x_vh) + k9_w1) + k10_w1 * coconet::to_compute(v_w[i + off * int64_t(1)])));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
+      const float x_gc = coconet::round_to<float>(l_k1_gc * coconet::to_compute(l_v_rs[i]));
+      const float x_m1 = coconet::round_to<float>(l_k2_m1 * coconet::to_compute(l_v_m[i]) + l_k3_m1 * x_gc);
+      l_v_m1[i] = coconet::from_compute<float>(x_m1);
+      const float x_v1 = coconet::round_to<float>(l_k4_v1 * coconet::to_compute(l_v_v[i]) + l_k5_v1 * x_gc * x_gc);
+      l_v_v1[i] = coconet::from_compute<float>(x_v1);
+      const float x_mh = coconet::round_to<float>(x_m1 / l_k6_mh);
+      const float x_vh = coconet::round_to<float>(x_v1 / l_k7_vh);
+      const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - l_k8_w1 * (x_mh / (std::sqrt(x_vh) + l_k9_w1) + l_k10_w1 * coconet::to_compute(l_v_w[i + off * int64_t(1)])));
+      l_v_w1[i] = coconet::from_compute<float>(x_w1);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
-      const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * x_gc);
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(k4_v1 * coconet::to_compute(v_v[i]) + k5_v1 * x_gc * x_gc);
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_mh = coconet::round_to<float>(x_m1 / k6_mh);
-      const float x_vh = coconet::round_to<float>(x_v1 / k7_vh);
-      const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k8_w1 * (x_mh / (std::sqrt(x_vh) + k9_w1) + k10_w1 * coconet::to_compute(v_w[i + off * int64_t(1)])));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_3.end();
   coconet::trace::Unit trace_4(4);

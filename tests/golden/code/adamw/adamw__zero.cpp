@@ -36,11 +36,13 @@ void adamw__zero(const coconet::CallArgs& a) {
   std::vector<double> pa_t0_c(1, 0.0);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_rs = v_rs;
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    coconet::keep_chunk(v_rs + lo, red, hi - lo);
+    coconet::keep_chunk(l_v_rs + lo, red, hi - lo);
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_rs = coconet::round_to<float>(red[i - lo]);
@@ -65,48 +67,64 @@ void adamw__zero(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_c = k0_c;
+      const auto l_v_c = v_c;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_c[i] = coconet::from_compute<float>(k0_c);
+      l_v_c[i] = coconet::from_compute<float>(l_k0_c);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_c[i] = coconet::from_compute<float>(k0_c);
-    }
-    }
+    else
+      run(0, n);
   }
   const int64_t off_fused0_b = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0_b = [&](int64_t gb, int64_t ge) {  // w1, then its piece of agw to every rank
-  const float k1_gc = coconet::to_compute(v_c[0]);
-  const float k2_m1 = coconet::to_compute(v_beta1[0]);
-  const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-  const float k4_v1 = coconet::to_compute(v_beta2[0]);
-  const float k5_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-  const float k6_mh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
-  const float k7_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
-  const float k8_w1 = coconet::to_compute(v_lr[0]);
-  const float k9_w1 = coconet::to_compute(v_eps[0]);
-  const float k10_w1 = coconet::to_compute(v_wd[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0_b, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_beta1 = v_beta1;
+    const auto l_v_beta2 = v_beta2;
+    const auto l_v_c = v_c;
+    const auto l_v_eps = v_eps;
+    const auto l_v_lr = v_lr;
+    const auto l_v_m = v_m;
+    const auto l_v_m1 = v_m1;
+    const auto l_v_rs = v_rs;
+    const auto l_v_step = v_step;
+    const auto l_v_v = v_v;
+    const auto l_v_v1 = v_v1;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+    const auto l_v_wd = v_wd;
+  const float k1_gc = coconet::to_compute(l_v_c[0]);
+  const float k2_m1 = coconet::to_compute(l_v_beta1[0]);
+  const float k3_m1 = 1.0f - coconet::to_compute(l_v_beta1[0]);
+  const float k4_v1 = coconet::to_compute(l_v_beta2[0]);
+  const float k5_v1 = 1.0f - coconet::to_compute(l_v_beta2[0]);
+  const float k6_mh = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta1[0]), coconet::to_compute(l_v_step[0]));
+  const float k7_vh = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta2[0]), coconet::to_compute(l_v_step[0]));
+  const float k8_w1 = coconet::to_compute(l_v_lr[0]);
+  const float k9_w1 = coconet::to_compute(l_v_eps[0]);
+  const float k10_w1 = coconet::to_compute(l_v_wd[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0_b, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
-        const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
-        const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * x_gc);
-        v_m1[i] = coconet::from_compute<float>(x_m1);
-        const float x_v1 = coconet::round_to<float>(k4_v1 * coconet::to_compute(v_v[i]) + k5_v1 * x_gc * x_gc);
-        v_v1[i] = coconet::from_compute<float>(x_v1);
+        const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(l_v_rs[i]));
+        const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(l_v_m[i]) + k3_m1 * x_gc);
+        l_v_m1[i] = coconet::from_compute<float>(x_m1);
+        const float x_v1 = coconet::round_to<float>(k4_v1 * coconet::to_compute(l_v_v[i]) + k5_v1 * x_gc * x_gc);
+        l_v_v1[i] = coconet::from_compute<float>(x_v1);
         const float x_mh = coconet::round_to<float>(x_m1 / k6_mh);
         const float x_vh = coconet::round_to<float>(x_v1 / k7_vh);
-        const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k8_w1 * (x_mh / (std::sqrt(x_vh) + k9_w1) + k10_w1 * coconet::to_compute(v_w[i + off * int64_t(1)])));
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - k8_w1 * (x_mh / (std::sqrt(x_vh) + k9_w1) + k10_w1 * coconet::to_compute(l_v_w[i + off * int64_t(1)])));
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
   };
   coconet::compute_ag<float>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agw, S_N)});

@@ -31,31 +31,45 @@ void adamw_shard__fused(const coconet::CallArgs& a) {
   // [fused] fused collective fused0: gs, gc, m1, v1, mh, vh, w1 (adamw_sharded.ccn:22)
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k0_gc = coconet::to_compute(v_scale[0]);
-  const float k1_m1 = coconet::to_compute(v_beta1[0]);
-  const float k2_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-  const float k3_v1 = coconet::to_compute(v_beta2[0]);
-  const float k4_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-  const float k5_mh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
-  const float k6_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
-  const float k7_w1 = coconet::to_compute(v_lr[0]);
-  const float k8_w1 = coconet::to_compute(v_eps[0]);
-  const float k9_w1 = coconet::to_compute(v_wd[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_beta1 = v_beta1;
+    const auto l_v_beta2 = v_beta2;
+    const auto l_v_eps = v_eps;
+    const auto l_v_lr = v_lr;
+    const auto l_v_m = v_m;
+    const auto l_v_m1 = v_m1;
+    const auto l_v_scale = v_scale;
+    const auto l_v_step = v_step;
+    const auto l_v_v = v_v;
+    const auto l_v_v1 = v_v1;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+    const auto l_v_wd = v_wd;
+  const float k0_gc = coconet::to_compute(l_v_scale[0]);
+  const float k1_m1 = coconet::to_compute(l_v_beta1[0]);
+  const float k2_m1 = 1.0f - coconet::to_compute(l_v_beta1[0]);
+  const float k3_v1 = coconet::to_compute(l_v_beta2[0]);
+  const float k4_v1 = 1.0f - coconet::to_compute(l_v_beta2[0]);
+  const float k5_mh = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta1[0]), coconet::to_compute(l_v_step[0]));
+  const float k6_vh = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta2[0]), coconet::to_compute(l_v_step[0]));
+  const float k7_w1 = coconet::to_compute(l_v_lr[0]);
+  const float k8_w1 = coconet::to_compute(l_v_eps[0]);
+  const float k9_w1 = coconet::to_compute(l_v_wd[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_gc = coconet::round_to<float>(k0_gc * red[i - lo]);
-        const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(v_m[i]) + k2_m1 * x_gc);
-        v_m1[i] = coconet::from_compute<float>(x_m1);
-        const float x_v1 = coconet::round_to<float>(k3_v1 * coconet::to_compute(v_v[i]) + k4_v1 * x_gc * x_gc);
-        v_v1[i] = coconet::from_compute<float>(x_v1);
+        const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(l_v_m[i]) + k2_m1 * x_gc);
+        l_v_m1[i] = coconet::from_compute<float>(x_m1);
+        const float x_v1 = coconet::round_to<float>(k3_v1 * coconet::to_compute(l_v_v[i]) + k4_v1 * x_gc * x_gc);
+        l_v_v1[i] = coconet::from_compute<float>(x_v1);
         const float x_mh = coconet::round_to<float>(x_m1 / k5_mh);
         const float x_vh = coconet::round_to<float>(x_v1 / k6_vh);
-        const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k7_w1 * (x_mh / (std::sqrt(x_vh) + k8_w1) + k9_w1 * coconet::to_compute(v_w[i])));
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i]) - k7_w1 * (x_mh / (std::sqrt(x_vh) + k8_w1) + k9_w1 * coconet::to_compute(l_v_w[i])));
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {});

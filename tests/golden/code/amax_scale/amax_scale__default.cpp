@@ -35,20 +35,21 @@ void amax_scale__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_g1 = v_g1;
+      const auto l_v_t0_a = v_t0_a;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_t0_a[i] = coconet::from_compute<float>(std::abs(coconet::to_compute(v_g1[i])));
+      l_v_t0_a[i] = coconet::from_compute<float>(std::abs(coconet::to_compute(l_v_g1[i])));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t0_a[i] = coconet::from_compute<float>(std::abs(coconet::to_compute(v_g1[i])));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);
@@ -64,20 +65,21 @@ void amax_scale__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_s = k0_s;
+      const auto l_v_s = v_s;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_s[i] = coconet::from_compute<float>(k0_s);
+      l_v_s[i] = coconet::from_compute<float>(l_k0_s);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_s[i] = coconet::from_compute<float>(k0_s);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_3.end();
   coconet::trace::Unit trace_4(4);
@@ -91,26 +93,32 @@ void amax_scale__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k1_m1 = k1_m1;
+      const auto l_k2_m1 = k2_m1;
+      const auto l_k3_m1 = k3_m1;
+      const auto l_k4_w1 = k4_w1;
+      const auto l_k5_w1 = k5_w1;
+      const auto l_v_g1 = v_g1;
+      const auto l_v_m = v_m;
+      const auto l_v_m1 = v_m1;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_g1[i])) : float(coconet::to_compute(v_m[i]))));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(v_w[i]) - k5_w1 * x_m1) : float(coconet::to_compute(v_w[i]))));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
+      const float x_m1 = coconet::round_to<float>(((l_k1_m1) ? float(l_k2_m1 * coconet::to_compute(l_v_m[i]) + l_k3_m1 * coconet::to_compute(l_v_g1[i])) : float(coconet::to_compute(l_v_m[i]))));
+      l_v_m1[i] = coconet::from_compute<float>(x_m1);
+      const float x_w1 = coconet::round_to<float>(((l_k4_w1) ? float(coconet::to_compute(l_v_w[i]) - l_k5_w1 * x_m1) : float(coconet::to_compute(l_v_w[i]))));
+      l_v_w1[i] = coconet::from_compute<float>(x_w1);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_g1[i])) : float(coconet::to_compute(v_m[i]))));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(v_w[i]) - k5_w1 * x_m1) : float(coconet::to_compute(v_w[i]))));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_4.end();
 }

@@ -31,19 +31,22 @@ void amax_scale__zero(const coconet::CallArgs& a) {
   std::vector<double> pa_a(1, -HUGE_VAL);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_rs = v_rs;
+    const auto l_v_t0_a = v_t0_a;
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    coconet::keep_chunk(v_rs + lo, red, hi - lo);
+    coconet::keep_chunk(l_v_rs + lo, red, hi - lo);
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_rs = coconet::round_to<float>(red[i - lo]);
         const float x_t0_a = coconet::round_to<float>(std::abs(x_rs));
-        v_t0_a[i] = coconet::from_compute<float>(x_t0_a);
+        l_v_t0_a[i] = coconet::from_compute<float>(x_t0_a);
       }
     {  // a: partial max(t0_a) of the chunk
-      pa_a[0] = coconet::extreme_step<true>(pa_a[0], coconet::max_of(v_t0_a + lo, hi - lo));
+      pa_a[0] = coconet::extreme_step<true>(pa_a[0], coconet::max_of(l_v_t0_a + lo, hi - lo));
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {});
@@ -58,38 +61,49 @@ void amax_scale__zero(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_s = k0_s;
+      const auto l_v_s = v_s;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_s[i] = coconet::from_compute<float>(k0_s);
+      l_v_s[i] = coconet::from_compute<float>(l_k0_s);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_s[i] = coconet::from_compute<float>(k0_s);
-    }
-    }
+    else
+      run(0, n);
   }
   const int64_t off_fused0_b = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0_b = [&](int64_t gb, int64_t ge) {  // w1, then its piece of agw to every rank
-  const bool k1_m1 = coconet::to_compute(v_a[0]) <= 3e+38f;
-  const float k2_m1 = coconet::to_compute(v_beta[0]);
-  const float k3_m1 = (1.0f - coconet::to_compute(v_beta[0])) * coconet::to_compute(v_s[0]);
-  const bool k4_w1 = coconet::to_compute(v_a[0]) <= 3e+38f;
-  const float k5_w1 = coconet::to_compute(v_lr[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0_b, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_a = v_a;
+    const auto l_v_beta = v_beta;
+    const auto l_v_lr = v_lr;
+    const auto l_v_m = v_m;
+    const auto l_v_m1 = v_m1;
+    const auto l_v_rs = v_rs;
+    const auto l_v_s = v_s;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+  const bool k1_m1 = coconet::to_compute(l_v_a[0]) <= 3e+38f;
+  const float k2_m1 = coconet::to_compute(l_v_beta[0]);
+  const float k3_m1 = (1.0f - coconet::to_compute(l_v_beta[0])) * coconet::to_compute(l_v_s[0]);
+  const bool k4_w1 = coconet::to_compute(l_v_a[0]) <= 3e+38f;
+  const float k5_w1 = coconet::to_compute(l_v_lr[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0_b, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
-        const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_rs[i])) : float(coconet::to_compute(v_m[i]))));
-        v_m1[i] = coconet::from_compute<float>(x_m1);
-        const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(v_w[i + off * int64_t(1)]) - k5_w1 * x_m1) : float(coconet::to_compute(v_w[i + off * int64_t(1)]))));
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(l_v_m[i]) + k3_m1 * coconet::to_compute(l_v_rs[i])) : float(coconet::to_compute(l_v_m[i]))));
+        l_v_m1[i] = coconet::from_compute<float>(x_m1);
+        const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - k5_w1 * x_m1) : float(coconet::to_compute(l_v_w[i + off * int64_t(1)]))));
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
   };
   coconet::compute_ag<float>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agw, S_N)});

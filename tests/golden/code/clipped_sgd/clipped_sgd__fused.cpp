@@ -26,16 +26,19 @@ void clipped_sgd__fused(const coconet::CallArgs& a) {
   std::vector<double> pa_t0_w1(1, 0.0);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_gc = v_gc;
+    const auto l_v_rs = v_rs;
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    coconet::keep_chunk(v_rs + lo, red, hi - lo);
+    coconet::keep_chunk(l_v_rs + lo, red, hi - lo);
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_rs = coconet::round_to<float>(red[i - lo]);
         const float x_gc = coconet::round_to<float>(x_rs * 0.5f);
-        v_gc[i] = coconet::from_compute<float>(x_gc);
+        l_v_gc[i] = coconet::from_compute<float>(x_gc);
       }
     {  // t0_w1: partial norm(rs) of the chunk
       pa_t0_w1[0] += coconet::sumsq_of(red, hi - lo);
@@ -53,16 +56,22 @@ void clipped_sgd__fused(const coconet::CallArgs& a) {
   }
   const int64_t off_fused0_b = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0_b = [&](int64_t gb, int64_t ge) {  // w1, then its piece of agw to every rank
-  const float k0_w1 = coconet::to_compute(v_lr[0]);
-  const float k1_w1 = coconet::to_compute(v_t0_w1[0]) + 0.001f;
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0_b, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_gc = v_gc;
+    const auto l_v_lr = v_lr;
+    const auto l_v_t0_w1 = v_t0_w1;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+  const float k0_w1 = coconet::to_compute(l_v_lr[0]);
+  const float k1_w1 = coconet::to_compute(l_v_t0_w1[0]) + 0.001f;
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0_b, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
-        const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(v_gc[i]) / k1_w1);
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(l_v_gc[i]) / k1_w1);
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
   };
   coconet::compute_ag<float>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agw, S_N)});

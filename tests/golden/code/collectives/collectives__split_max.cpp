@@ -60,20 +60,21 @@ void collectives__split_max(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_n = k0_n;
+      const auto l_v_n = v_n;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_n[i] = coconet::from_compute<double>(k0_n);
+      l_v_n[i] = coconet::from_compute<double>(l_k0_n);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_n[i] = coconet::from_compute<double>(k0_n);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_4.end();
   coconet::trace::Unit trace_5(5);
@@ -110,20 +111,22 @@ void collectives__split_max(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_f = v_f;
+      const auto l_v_sl = v_sl;
+      const auto l_v_t2_g = v_t2_g;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_t2_g[i] = coconet::from_compute<double>(coconet::to_compute(v_f[i]) * 2.0 + coconet::to_compute(v_sl[i]));
+      l_v_t2_g[i] = coconet::from_compute<double>(coconet::to_compute(l_v_f[i]) * 2.0 + coconet::to_compute(l_v_sl[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t2_g[i] = coconet::from_compute<double>(coconet::to_compute(v_f[i]) * 2.0 + coconet::to_compute(v_sl[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_12.end();
   coconet::trace::Unit trace_13(13);
@@ -144,20 +147,21 @@ void collectives__split_max(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_t3_q = v_t3_q;
+      const auto l_v_y = v_y;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_t3_q[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_y[i])) / 2.0f);
+      l_v_t3_q[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(l_v_y[i])) / 2.0f);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t3_q[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_y[i])) / 2.0f);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_16.end();
   coconet::trace::Unit trace_17(17);

@@ -41,40 +41,35 @@ void conv_layer__default(const coconet::CallArgs& a) {
     const int64_t L2 = (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1));
     const int64_t L3 = (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1));
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1));
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_L3 = L3;
+      const auto l_v_a = v_a;
+      const auto l_v_bias = v_bias;
+      const auto l_v_y = v_y;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L3;
+      const int64_t j0 = i0 - rest * l_L3;
+      const int64_t c2 = rest % l_L2; rest /= l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L3 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L3 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c3 = j0 + (i - i0);
-        v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_y[i]) + coconet::to_compute(v_bias[c1 * int64_t(1) * int64_t(1)])));
+        l_v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(l_v_y[i]) + coconet::to_compute(l_v_bias[c1 * int64_t(1) * int64_t(1)])));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_y[i]) + coconet::to_compute(v_bias[c1 * int64_t(1) * int64_t(1)])));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);
@@ -88,20 +83,23 @@ void conv_layer__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_O * int64_t(1) * int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_nb = k0_nb;
+      const auto l_v_bias = v_bias;
+      const auto l_v_gsum = v_gsum;
+      const auto l_v_nb = v_nb;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_nb[i] = coconet::from_compute<float>(coconet::to_compute(v_bias[i]) - k0_nb * coconet::to_compute(v_gsum[i]));
+      l_v_nb[i] = coconet::from_compute<float>(coconet::to_compute(l_v_bias[i]) - l_k0_nb * coconet::to_compute(l_v_gsum[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_nb[i] = coconet::from_compute<float>(coconet::to_compute(v_bias[i]) - k0_nb * coconet::to_compute(v_gsum[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_3.end();
   coconet::trace::Unit trace_4(4);

@@ -36,20 +36,21 @@ void conv_tp__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1));
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_out = v_out;
+      const auto l_v_y = v_y;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_y[i])));
+      l_v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(l_v_y[i])));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_y[i])));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_2.end();
 }

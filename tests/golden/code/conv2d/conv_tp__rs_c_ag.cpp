@@ -37,20 +37,21 @@ void conv_tp__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_O, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1));
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_out = v_out;
+      const auto l_v_rs = v_rs;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_rs[i])));
+      l_v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(l_v_rs[i])));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_out[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_rs[i])));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_2.end();
   coconet::trace::Unit trace_3(3);

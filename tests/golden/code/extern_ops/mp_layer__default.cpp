@@ -42,20 +42,22 @@ void mp_layer__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_B * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_h = v_h;
+      const auto l_v_r = v_r;
+      const auto l_v_t0_h = v_t0_h;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_h[i] = coconet::from_compute<float>(coconet::to_compute(v_r[i]) + 0.5f * coconet::to_compute(v_t0_h[i]));
+      l_v_h[i] = coconet::from_compute<float>(coconet::to_compute(l_v_r[i]) + 0.5f * coconet::to_compute(l_v_t0_h[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_h[i] = coconet::from_compute<float>(coconet::to_compute(v_r[i]) + 0.5f * coconet::to_compute(v_t0_h[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_3.end();
 }

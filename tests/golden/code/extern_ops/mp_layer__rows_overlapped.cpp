@@ -48,20 +48,23 @@ void mp_layer__rows_overlapped(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_S_H = S_H;
+      const auto l_v_h = v_h;
+      const auto l_v_r = v_r;
+      const auto l_v_t0_h = v_t0_h;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_h[i] = coconet::from_compute<float>(coconet::to_compute(v_r[i + off * S_H]) + 0.5f * coconet::to_compute(v_t0_h[i]));
+      l_v_h[i] = coconet::from_compute<float>(coconet::to_compute(l_v_r[i + off * l_S_H]) + 0.5f * coconet::to_compute(l_v_t0_h[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_h[i] = coconet::from_compute<float>(coconet::to_compute(v_r[i + off * S_H]) + 0.5f * coconet::to_compute(v_t0_h[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_2.end();
   coconet::trace::Unit trace_3(3);

@@ -175,38 +175,33 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_q_add = v_q_add;
+      const auto l_v_q_matmul = v_q_matmul;
+      const auto l_v_q_reshape2 = v_q_reshape2;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+        l_v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(l_v_q_matmul[i]) + coconet::to_compute(l_v_q_reshape2[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_4.end();
   coconet::trace::Unit trace_5(5);
@@ -254,38 +249,33 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_v_add = v_v_add;
+      const auto l_v_v_matmul = v_v_matmul;
+      const auto l_v_v_reshape2 = v_v_reshape2;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+        l_v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(l_v_v_matmul[i]) + coconet::to_compute(l_v_v_reshape2[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_14.end();
   coconet::trace::Unit trace_15(15);
@@ -346,44 +336,58 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     const int64_t n = S_B * S_S * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_k3_x1_dropout = k3_x1_dropout;
+      const auto l_k4_x1_dropout = k4_x1_dropout;
+      const auto l_v_at = v_at;
+      const auto l_v_bo = v_bo;
+      const auto l_v_x = v_x;
+      const auto l_v_x1 = v_x1;
+      if (double(l_k3_x1_dropout) == 0.0) {  // dropout at rate 0: its input
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
-      const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
-      const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + x_x1_dropout);
-      v_x1[i] = coconet::from_compute<float>(x_x1);
+        const float x_x1_add = coconet::round_to<float>(coconet::to_compute(l_v_at[i]) + coconet::to_compute(l_v_bo[c2 * int64_t(1)]));
+      const float x_x1_dropout = coconet::round_to<float>((x_x1_add));
+      const float x_x1 = coconet::round_to<float>(coconet::to_compute(l_v_x[i]) + x_x1_dropout);
+      l_v_x1[i] = coconet::from_compute<float>(x_x1);
       }
     }
+      } else {
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_x1_add = coconet::round_to<float>(coconet::to_compute(l_v_at[i]) + coconet::to_compute(l_v_bo[c2 * int64_t(1)]));
+      const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(l_k3_x1_dropout), int64_t(l_k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+      const float x_x1 = coconet::round_to<float>(coconet::to_compute(l_v_x[i]) + x_x1_dropout);
+      l_v_x1[i] = coconet::from_compute<float>(x_x1);
+      }
+    }
+      }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
-      const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
-      const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + x_x1_dropout);
-      v_x1[i] = coconet::from_compute<float>(x_x1);
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_28.end();
   coconet::trace::Unit trace_29(29);
@@ -403,44 +407,37 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_b_fc = v_b_fc;
+      const auto l_v_h = v_h;
+      const auto l_v_h_add = v_h_add;
+      const auto l_v_hm = v_hm;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-      v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(l_v_hm[i]) + coconet::to_compute(l_v_b_fc[c2 * int64_t(1)]));
+      l_v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
-      v_h[i] = coconet::from_compute<float>(x_h);
+      l_v_h[i] = coconet::from_compute<float>(x_h);
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-      v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
-      v_h[i] = coconet::from_compute<float>(x_h);
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_31.end();
   coconet::trace::Unit trace_32(32);
@@ -455,15 +452,34 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_b_proj(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_b_proj = part_d_b_proj.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_cols = cols;
+      const auto l_k5_g_y_add = k5_g_y_add;
+      const auto l_k6_g_y_add = k6_g_y_add;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_d_y = v_d_y;
+      const auto l_v_g_y_add = v_g_y_add;
+      float* const cs_d_b_proj = part_d_b_proj.data() + blk * l_cols;
+      if (double(l_k5_g_y_add) == 0.0) {  // dropout at rate 0: its input
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
-          v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_y_add = coconet::round_to<float>((coconet::to_compute(l_v_d_y[i])));
+          l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
           cs_d_b_proj[col] += x_g_y_add;
         }
+      }
+      } else {
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k5_g_y_add), int64_t(l_k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+          l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          cs_d_b_proj[col] += x_g_y_add;
+        }
+      }
       }
     };
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
@@ -497,13 +513,20 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_b_fc(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_b_fc = part_d_b_fc.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_cols = cols;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_g_h = v_g_h;
+      const auto l_v_g_h_add = v_g_h_add;
+      const auto l_v_h = v_h;
+      const auto l_v_h_add = v_h_add;
+      float* const cs_d_b_fc = part_d_b_fc.data() + blk * l_cols;
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(l_v_g_h[i]) * (((coconet::to_compute(l_v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(l_v_h[i]) / ((coconet::to_compute(l_v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(l_v_h_add[i]))))) + coconet::to_compute(l_v_h_add[i]) * (std::exp(coconet::to_compute(l_v_h_add[i]) * coconet::to_compute(l_v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          l_v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
           cs_d_b_fc[col] += x_g_h_add;
         }
       }
@@ -560,15 +583,34 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_bo(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_bo = part_d_bo.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_cols = cols;
+      const auto l_k7_g_x1_add = k7_g_x1_add;
+      const auto l_k8_g_x1_add = k8_g_x1_add;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_g_x1 = v_g_x1;
+      const auto l_v_g_x1_add = v_g_x1_add;
+      float* const cs_d_bo = part_d_bo.data() + blk * l_cols;
+      if (double(l_k7_g_x1_add) == 0.0) {  // dropout at rate 0: its input
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
-          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_x1_add = coconet::round_to<float>((coconet::to_compute(l_v_g_x1[i])));
+          l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
           cs_d_bo[col] += x_g_x1_add;
         }
+      }
+      } else {
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(l_k7_g_x1_add), int64_t(l_k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+          l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          cs_d_bo[col] += x_g_x1_add;
+        }
+      }
       }
     };
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
@@ -718,20 +760,23 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_B * S_S * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_g_n1_part = v_g_n1_part;
+      const auto l_v_g_n1_part2 = v_g_n1_part2;
+      const auto l_v_g_n1_part3 = v_g_n1_part3;
+      const auto l_v_g_n1_part4 = v_g_n1_part4;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
+      l_v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_n1_part[i]) + coconet::to_compute(l_v_g_n1_part2[i]) + coconet::to_compute(l_v_g_n1_part3[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_82.end();
   coconet::trace::Unit trace_83(83);

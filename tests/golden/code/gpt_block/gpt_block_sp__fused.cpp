@@ -101,38 +101,33 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_qm = v_qm;
+      const auto l_v_t1_q = v_t1_q;
+      const auto l_v_t2_q = v_t2_q;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+        l_v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(l_v_qm[i]) + coconet::to_compute(l_v_t1_q[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_5.end();
   coconet::trace::Unit trace_6(6);
@@ -180,38 +175,33 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_t10_v = v_t10_v;
+      const auto l_v_t8_v = v_t8_v;
+      const auto l_v_t9_v = v_t9_v;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+        l_v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(l_v_t8_v[i]) + coconet::to_compute(l_v_t9_v[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_15.end();
   coconet::trace::Unit trace_16(16);
@@ -264,15 +254,27 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
   // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:151)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f1 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k3_x1 = coconet::to_compute(v_pdrop[0]);
-  const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-    const int64_t row_ = gb / (S_S * S_H);
-    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_f1, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    const auto l_S_B = S_B;
+    const auto l_S_H = S_H;
+    const auto l_S_S = S_S;
+    const auto l_v_bo = v_bo;
+    const auto l_v_ln2_b = v_ln2_b;
+    const auto l_v_ln2_w = v_ln2_w;
+    const auto l_v_n2 = v_n2;
+    const auto l_v_pdrop = v_pdrop;
+    const auto l_v_seed = v_seed;
+    const auto l_v_x = v_x;
+    const auto l_v_x1 = v_x1;
+  const float k3_x1 = coconet::to_compute(l_v_pdrop[0]);
+  const int64_t k4_x1 = coconet::to_compute(l_v_seed[0]);
+    const int64_t row_ = gb / (l_S_S * l_S_H);
+    const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_f1, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
+    if (double(k3_x1) == 0.0) {  // dropout at rate 0: its input
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -283,15 +285,40 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(red[i - lo] + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_x1[i] = coconet::from_compute<float>(x_x1);
+        const float x_x1 = coconet::round_to<float>(coconet::to_compute(l_v_x[i]) + (red[i - lo] + coconet::to_compute(l_v_bo[c2 * int64_t(1)])));
+        l_v_x1[i] = coconet::from_compute<float>(x_x1);
       }
     }
-    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm n2s, row by row
-      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_x1[row + j]); }, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm n2s, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(l_v_x1[row + j]); }, l_v_ln2_w, l_v_ln2_b, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
         const float y = coconet::round_to<float>(v);
-        v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
+        l_v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
       });
+    }
+    } else {
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_x1 = coconet::round_to<float>(coconet::to_compute(l_v_x[i]) + coconet::dropout<float>(red[i - lo] + coconet::to_compute(l_v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+        l_v_x1[i] = coconet::from_compute<float>(x_x1);
+      }
+    }
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm n2s, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(l_v_x1[row + j]); }, l_v_ln2_w, l_v_ln2_b, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
+        const float y = coconet::round_to<float>(v);
+        l_v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
+      });
+    }
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::round_up(coconet::fused_chunk_elems(), S_H), compute_f1, {coconet::gather_target(v_n2, S_B * S_S * S_H)}, coconet::round_up(coconet::kProgressElems, S_H));
@@ -337,15 +364,24 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
   // [fused] fused collective f2: mt, y (gpt_block.ccn:152)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f2 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k5_y = coconet::to_compute(v_pdrop[0]);
-  const int64_t k6_y = coconet::to_compute(v_seed[0]);
-    const int64_t row_ = gb / (S_S * S_H);
-    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_f2, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    const auto l_S_B = S_B;
+    const auto l_S_H = S_H;
+    const auto l_S_S = S_S;
+    const auto l_v_b_proj = v_b_proj;
+    const auto l_v_pdrop = v_pdrop;
+    const auto l_v_seed = v_seed;
+    const auto l_v_x1 = v_x1;
+    const auto l_v_y = v_y;
+  const float k5_y = coconet::to_compute(l_v_pdrop[0]);
+  const int64_t k6_y = coconet::to_compute(l_v_seed[0]);
+    const int64_t row_ = gb / (l_S_S * l_S_H);
+    const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_f2, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
+    if (double(k5_y) == 0.0) {  // dropout at rate 0: its input
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -356,9 +392,28 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(red[i - lo] + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_y[i] = coconet::from_compute<float>(x_y);
+        const float x_y = coconet::round_to<float>(coconet::to_compute(l_v_x1[i]) + (red[i - lo] + coconet::to_compute(l_v_b_proj[c2 * int64_t(1)])));
+        l_v_y[i] = coconet::from_compute<float>(x_y);
       }
+    }
+    } else {
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_y = coconet::round_to<float>(coconet::to_compute(l_v_x1[i]) + coconet::dropout<float>(red[i - lo] + coconet::to_compute(l_v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+        l_v_y[i] = coconet::from_compute<float>(x_y);
+      }
+    }
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_mp, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::fused_chunk_elems(), compute_f2, {});

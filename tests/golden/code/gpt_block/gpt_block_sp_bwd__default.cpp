@@ -54,67 +54,66 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_g_y_add = coconet::scratch<float, 3>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_b_proj_part = coconet::shared_scratch<float, 4>(comm, S_H);
-  float* const v_g_allgather2 = coconet::scratch<float, 5>(S_B * S_S * S_H);
-  float* const v_g_h = coconet::scratch<float, 6>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_y_add = coconet::scratch<float, 2>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_b_proj_part = coconet::shared_scratch<float, 3>(comm, S_H);
+  float* const v_g_allgather2 = coconet::scratch<float, 4>(S_B * S_S * S_H);
+  float* const v_g_h = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 7>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 6>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2_part = coconet::scratch<float, 8>(S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::scratch<float, 7>(S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_n2s = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t0_g_x1 = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 12>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 13>(comm, S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_bo_part = coconet::shared_scratch<float, 15>(comm, S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 16>(S_B * S_S * S_H);
-  float* const v_g_o = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n2s = coconet::scratch<float, 8>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 11>(comm, S_H);
+  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 12>(comm, S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_bo_part = coconet::shared_scratch<float, 14>(comm, S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 15>(S_B * S_S * S_H);
+  float* const v_g_o = coconet::scratch<float, 16>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_p = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 32>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 31>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::scratch<float, 33>(S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::scratch<float, 32>(S_B * S_S * S_H);
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 34>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 33>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 35>(S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::scratch<float, 34>(S_B * S_S * S_H);
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::scratch<float, 36>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 35>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::scratch<float, 37>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 38>(S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::scratch<float, 36>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 37>(S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::scratch<float, 39>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 40>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 38>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 39>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 41>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 42>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 40>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 41>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
@@ -156,49 +155,6 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
   trace_4.end();
   coconet::trace::Unit trace_5(5);
-  // [default] loop: h_add (gpt_block.ccn:139)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
-    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-      }
-    }
-      });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-      }
-    }
-    }
-  }
-  trace_5.end();
-  coconet::trace::Unit trace_6(6);
   // [default] loop: g_y_add (gpt_block.ccn)
   const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
@@ -213,20 +169,47 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_g_b_proj_part(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_L1 = L1;
+      const auto l_S_H = S_H;
+      const auto l_S_S = S_S;
+      const auto l_cols = cols;
+      const auto l_k0_g_y_add = k0_g_y_add;
+      const auto l_k1_g_y_add = k1_g_y_add;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_d_y = v_d_y;
+      const auto l_v_g_y_add = v_g_y_add;
+      float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * l_cols;
+      if (double(l_k0_g_y_add) == 0.0) {  // dropout at rate 0: its input
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         int64_t rest = row;
-        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
         const int64_t c0 = rest;
         (void)rest;
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
           const int64_t c2 = col;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          const float x_g_y_add = coconet::round_to<float>((coconet::to_compute(l_v_d_y[i])));
+          l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
           cs_g_b_proj_part[col] += x_g_y_add;
         }
+      }
+      } else {
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const int64_t c2 = col;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k0_g_y_add), int64_t(l_k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+          l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          cs_g_b_proj_part[col] += x_g_y_add;
+        }
+      }
       }
     };
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
@@ -237,40 +220,58 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
-  trace_6.end();
-  coconet::trace::Unit trace_7(7);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  trace_7.end();
-  coconet::trace::Unit trace_8(8);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [default] allgather g_allgather2 (gpt_block.ccn)
   coconet::allgather(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, comm);
-  trace_8.end();
-  coconet::trace::Unit trace_9(9);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  trace_9.end();
-  coconet::trace::Unit trace_10(10);
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  trace_10.end();
-  coconet::trace::Unit trace_11(11);
-  // [default] loop: g_h_add (gpt_block.ccn)
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
+  // [default] loop: h_add, g_h_add (gpt_block.ccn:139)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), cols = coconet::slice_range(S_F, comm.size, comm.rank).size(), rows = cols > 0 ? n / cols : 0;
     const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_b_fc(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_b_fc = part_d_b_fc.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_L1 = L1;
+      const auto l_cols = cols;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_b_fc = v_b_fc;
+      const auto l_v_g_h = v_g_h;
+      const auto l_v_g_h_add = v_g_h_add;
+      const auto l_v_h = v_h;
+      const auto l_v_hm = v_hm;
+      float* const cs_d_b_fc = part_d_b_fc.data() + blk * l_cols;
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
+        const int64_t c0 = rest;
+        (void)rest;
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const int64_t c2 = col;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(l_v_hm[i]) + coconet::to_compute(l_v_b_fc[c2 * int64_t(1)]));
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(l_v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(l_v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
+          l_v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
           cs_d_b_fc[col] += x_g_h_add;
         }
       }
@@ -283,39 +284,39 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
-  trace_11.end();
-  coconet::trace::Unit trace_12(12);
+  trace_10.end();
+  coconet::trace::Unit trace_11(11);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  trace_12.end();
-  coconet::trace::Unit trace_13(13);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  trace_13.end();
-  coconet::trace::Unit trace_14(14);
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  trace_14.end();
-  coconet::trace::Unit trace_15(15);
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
   // [default] reducescatter g_n2s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, comm);
-  trace_15.end();
-  coconet::trace::Unit trace_16(16);
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
+  // loop g_x1: the epilogue of the layernorm_dx above
   trace_16.end();
   coconet::trace::Unit trace_17(17);
-  // loop g_x1: the epilogue of the layernorm_dx above
-  trace_17.end();
-  coconet::trace::Unit trace_18(18);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  trace_18.end();
-  coconet::trace::Unit trace_19(19);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  trace_19.end();
-  coconet::trace::Unit trace_20(20);
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // [default] loop: g_x1_add (gpt_block.ccn)
   const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
@@ -330,20 +331,47 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_g_bo_part(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_g_bo_part = part_g_bo_part.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_L1 = L1;
+      const auto l_S_H = S_H;
+      const auto l_S_S = S_S;
+      const auto l_cols = cols;
+      const auto l_k2_g_x1_add = k2_g_x1_add;
+      const auto l_k3_g_x1_add = k3_g_x1_add;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_g_x1 = v_g_x1;
+      const auto l_v_g_x1_add = v_g_x1_add;
+      float* const cs_g_bo_part = part_g_bo_part.data() + blk * l_cols;
+      if (double(l_k2_g_x1_add) == 0.0) {  // dropout at rate 0: its input
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         int64_t rest = row;
-        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
         const int64_t c0 = rest;
         (void)rest;
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
           const int64_t c2 = col;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          const float x_g_x1_add = coconet::round_to<float>((coconet::to_compute(l_v_g_x1[i])));
+          l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
           cs_g_bo_part[col] += x_g_x1_add;
         }
+      }
+      } else {
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const int64_t c2 = col;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(l_k2_g_x1_add), int64_t(l_k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+          l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          cs_g_bo_part[col] += x_g_x1_add;
+        }
+      }
       }
     };
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
@@ -354,216 +382,219 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_bo_part[col] = coconet::from_compute<float>(part_g_bo_part[col]);
   }
-  trace_20.end();
-  coconet::trace::Unit trace_21(21);
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // [default] sum_lead g_bo_part (gpt_block.ccn)
   // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
-  trace_21.end();
-  coconet::trace::Unit trace_22(22);
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // [default] allgather g_allgather4 (gpt_block.ccn)
   coconet::allgather(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, comm);
-  trace_22.end();
-  coconet::trace::Unit trace_23(23);
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_23.end();
-  coconet::trace::Unit trace_24(24);
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  trace_24.end();
-  coconet::trace::Unit trace_25(25);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_25.end();
-  coconet::trace::Unit trace_26(26);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_26.end();
-  coconet::trace::Unit trace_27(27);
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
+  // t1_g_a: part of the backward attention call (plan: attention)
   trace_27.end();
   coconet::trace::Unit trace_28(28);
-  // t1_g_a: part of the backward attention call (plan: attention)
+  // g_a: part of the backward attention call (plan: attention)
   trace_28.end();
   coconet::trace::Unit trace_29(29);
-  // g_a: part of the backward attention call (plan: attention)
+  // t2_g_v: part of the backward attention call (plan: attention)
   trace_29.end();
   coconet::trace::Unit trace_30(30);
-  // t2_g_v: part of the backward attention call (plan: attention)
+  // g_v: part of the backward attention call (plan: attention)
   trace_30.end();
   coconet::trace::Unit trace_31(31);
-  // g_v: part of the backward attention call (plan: attention)
+  // g_p: part of the backward attention call (plan: attention)
   trace_31.end();
   coconet::trace::Unit trace_32(32);
-  // g_p: part of the backward attention call (plan: attention)
+  // t3_g_rows: part of the backward attention call (plan: attention)
   trace_32.end();
   coconet::trace::Unit trace_33(33);
-  // t3_g_rows: part of the backward attention call (plan: attention)
+  // g_rows: part of the backward attention call (plan: attention)
   trace_33.end();
   coconet::trace::Unit trace_34(34);
-  // g_rows: part of the backward attention call (plan: attention)
+  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
   trace_34.end();
   coconet::trace::Unit trace_35(35);
-  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  // t4_g_q: part of the backward attention call (plan: attention)
   trace_35.end();
   coconet::trace::Unit trace_36(36);
-  // t4_g_q: part of the backward attention call (plan: attention)
+  // g_q: part of the backward attention call (plan: attention)
   trace_36.end();
   coconet::trace::Unit trace_37(37);
-  // g_q: part of the backward attention call (plan: attention)
+  // t5_g_s_transpose: part of the backward attention call (plan: attention)
   trace_37.end();
   coconet::trace::Unit trace_38(38);
-  // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  // g_s_transpose: part of the backward attention call (plan: attention)
   trace_38.end();
   coconet::trace::Unit trace_39(39);
-  // g_s_transpose: part of the backward attention call (plan: attention)
-  trace_39.end();
-  coconet::trace::Unit trace_40(40);
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true, true);
-  trace_40.end();
-  coconet::trace::Unit trace_41(41);
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  trace_41.end();
-  coconet::trace::Unit trace_42(42);
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_42.end();
-  coconet::trace::Unit trace_43(43);
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_43.end();
-  coconet::trace::Unit trace_44(44);
+  trace_42.end();
+  coconet::trace::Unit trace_43(43);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_44.end();
-  coconet::trace::Unit trace_45(45);
+  trace_43.end();
+  coconet::trace::Unit trace_44(44);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  trace_45.end();
-  coconet::trace::Unit trace_46(46);
+  trace_44.end();
+  coconet::trace::Unit trace_45(45);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_46.end();
-  coconet::trace::Unit trace_47(47);
+  trace_45.end();
+  coconet::trace::Unit trace_46(46);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_47.end();
-  coconet::trace::Unit trace_48(48);
+  trace_46.end();
+  coconet::trace::Unit trace_47(47);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  trace_48.end();
-  coconet::trace::Unit trace_49(49);
+  trace_47.end();
+  coconet::trace::Unit trace_48(48);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_49.end();
-  coconet::trace::Unit trace_50(50);
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  trace_50.end();
-  coconet::trace::Unit trace_51(51);
+  trace_49.end();
+  coconet::trace::Unit trace_50(50);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_51.end();
-  coconet::trace::Unit trace_52(52);
+  trace_50.end();
+  coconet::trace::Unit trace_51(51);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_52.end();
-  coconet::trace::Unit trace_53(53);
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // [default] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  trace_53.end();
-  coconet::trace::Unit trace_54(54);
+  trace_52.end();
+  coconet::trace::Unit trace_53(53);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_54.end();
-  coconet::trace::Unit trace_55(55);
+  trace_53.end();
+  coconet::trace::Unit trace_54(54);
   // [default] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_55.end();
-  coconet::trace::Unit trace_56(56);
+  trace_54.end();
+  coconet::trace::Unit trace_55(55);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_56.end();
-  coconet::trace::Unit trace_57(57);
+  trace_55.end();
+  coconet::trace::Unit trace_56(56);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  trace_57.end();
-  coconet::trace::Unit trace_58(58);
+  trace_56.end();
+  coconet::trace::Unit trace_57(57);
   // [default] loop: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_B * S_S * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_g_n1_part = v_g_n1_part;
+      const auto l_v_g_n1_part2 = v_g_n1_part2;
+      const auto l_v_g_n1_part3 = v_g_n1_part3;
+      const auto l_v_g_n1_part4 = v_g_n1_part4;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
+      l_v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_n1_part[i]) + coconet::to_compute(l_v_g_n1_part2[i]) + coconet::to_compute(l_v_g_n1_part3[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_n1_part4[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
-    }
-    }
+    else
+      run(0, n);
   }
-  trace_58.end();
-  coconet::trace::Unit trace_59(59);
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_59.end();
-  coconet::trace::Unit trace_60(60);
+  trace_58.end();
+  coconet::trace::Unit trace_59(59);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  trace_60.end();
-  coconet::trace::Unit trace_61(61);
+  trace_59.end();
+  coconet::trace::Unit trace_60(60);
   // [default] reducescatter g_n1s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, comm);
-  trace_61.end();
-  coconet::trace::Unit trace_62(62);
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_61.end();
+  coconet::trace::Unit trace_62(62);
+  // loop d_x: the epilogue of the layernorm_dx above
   trace_62.end();
   coconet::trace::Unit trace_63(63);
-  // loop d_x: the epilogue of the layernorm_dx above
-  trace_63.end();
-  coconet::trace::Unit trace_64(64);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  trace_64.end();
-  coconet::trace::Unit trace_65(65);
+  trace_63.end();
+  coconet::trace::Unit trace_64(64);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  trace_65.end();
-  coconet::trace::Unit trace_66(66);
+  trace_64.end();
+  coconet::trace::Unit trace_65(65);
   // [default] allreduce d_b_proj (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
-  trace_66.end();
-  coconet::trace::Unit trace_67(67);
+  trace_65.end();
+  coconet::trace::Unit trace_66(66);
   // [default] allreduce d_ln2_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
-  trace_67.end();
-  coconet::trace::Unit trace_68(68);
+  trace_66.end();
+  coconet::trace::Unit trace_67(67);
   // [default] allreduce d_ln2_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
-  trace_68.end();
-  coconet::trace::Unit trace_69(69);
+  trace_67.end();
+  coconet::trace::Unit trace_68(68);
   // [default] allreduce d_bo (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
-  trace_69.end();
-  coconet::trace::Unit trace_70(70);
+  trace_68.end();
+  coconet::trace::Unit trace_69(69);
   // [default] allreduce d_ln1_w (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
-  trace_70.end();
-  coconet::trace::Unit trace_71(71);
+  trace_69.end();
+  coconet::trace::Unit trace_70(70);
   // [default] allreduce d_ln1_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_b_part, v_d_ln1_b, S_H, comm);
-  trace_71.end();
+  trace_70.end();
 }
 
 }  // namespace coconet_gen

@@ -115,38 +115,33 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_qm = v_qm;
+      const auto l_v_t1_q = v_t1_q;
+      const auto l_v_t2_q = v_t2_q;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+        l_v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(l_v_qm[i]) + coconet::to_compute(l_v_t1_q[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_5.end();
   coconet::trace::Unit trace_6(6);
@@ -194,38 +189,33 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_t10_v = v_t10_v;
+      const auto l_v_t8_v = v_t8_v;
+      const auto l_v_t9_v = v_t9_v;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+        l_v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(l_v_t8_v[i]) + coconet::to_compute(l_v_t9_v[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_15.end();
   coconet::trace::Unit trace_16(16);
@@ -289,38 +279,54 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_S_H = S_H;
+      const auto l_S_S = S_S;
+      const auto l_k3_x1 = k3_x1;
+      const auto l_k4_x1 = k4_x1;
+      const auto l_v_at = v_at;
+      const auto l_v_bo = v_bo;
+      const auto l_v_x = v_x;
+      const auto l_v_x1 = v_x1;
+      if (double(l_k3_x1) == 0.0) {  // dropout at rate 0: its input
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        l_v_x1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_x[i]) + (coconet::to_compute(l_v_at[i]) + coconet::to_compute(l_v_bo[c2 * int64_t(1)])));
       }
     }
+      } else {
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        l_v_x1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_x[i]) + coconet::dropout<float>(coconet::to_compute(l_v_at[i]) + coconet::to_compute(l_v_bo[c2 * int64_t(1)]), double(l_k3_x1), int64_t(l_k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+      }
+    }
+      }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_30.end();
   coconet::trace::Unit trace_31(31);
@@ -383,38 +389,54 @@ void gpt_block_sp_fwd__default(const coconet::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_S_H = S_H;
+      const auto l_S_S = S_S;
+      const auto l_k5_y = k5_y;
+      const auto l_k6_y = k6_y;
+      const auto l_v_b_proj = v_b_proj;
+      const auto l_v_mt = v_mt;
+      const auto l_v_x1 = v_x1;
+      const auto l_v_y = v_y;
+      if (double(l_k5_y) == 0.0) {  // dropout at rate 0: its input
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_y[i] = coconet::from_compute<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        l_v_y[i] = coconet::from_compute<float>(coconet::to_compute(l_v_x1[i]) + (coconet::to_compute(l_v_mt[i]) + coconet::to_compute(l_v_b_proj[c2 * int64_t(1)])));
       }
     }
+      } else {
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        l_v_y[i] = coconet::from_compute<float>(coconet::to_compute(l_v_x1[i]) + coconet::dropout<float>(coconet::to_compute(l_v_mt[i]) + coconet::to_compute(l_v_b_proj[c2 * int64_t(1)]), double(l_k5_y), int64_t(l_k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+      }
+    }
+      }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_y[i] = coconet::from_compute<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_37.end();
 }

@@ -187,38 +187,33 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_q_add = v_q_add;
+      const auto l_v_q_reshape = v_q_reshape;
+      const auto l_v_qm = v_qm;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+        l_v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(l_v_qm[i]) + coconet::to_compute(l_v_q_reshape[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_4.end();
   coconet::trace::Unit trace_5(5);
@@ -266,38 +261,33 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_v_add = v_v_add;
+      const auto l_v_v_matmul = v_v_matmul;
+      const auto l_v_v_reshape2 = v_v_reshape2;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+        l_v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(l_v_v_matmul[i]) + coconet::to_compute(l_v_v_reshape2[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_14.end();
   coconet::trace::Unit trace_15(15);
@@ -352,15 +342,27 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
     auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
       const int64_t gb = gb0 + base, ge = ge0 + base;
-  const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
-  const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-    const int64_t row_ = gb / (S_S * S_H);
-    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_f1, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    const auto l_S_B = S_B;
+    const auto l_S_H = S_H;
+    const auto l_S_S = S_S;
+    const auto l_v_bo = v_bo;
+    const auto l_v_ln2_b = v_ln2_b;
+    const auto l_v_ln2_w = v_ln2_w;
+    const auto l_v_n2 = v_n2;
+    const auto l_v_pdrop = v_pdrop;
+    const auto l_v_seed = v_seed;
+    const auto l_v_x = v_x;
+    const auto l_v_x1 = v_x1;
+  const float k3_x1_dropout = coconet::to_compute(l_v_pdrop[0]);
+  const int64_t k4_x1_dropout = coconet::to_compute(l_v_seed[0]);
+    const int64_t row_ = gb / (l_S_S * l_S_H);
+    const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_f1, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
+    if (double(k3_x1_dropout) == 0.0) {  // dropout at rate 0: its input
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -371,17 +373,44 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_x1_add = coconet::round_to<float>(red[i - lo] + coconet::to_compute(v_bo[c2 * int64_t(1)]));
-        const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + x_x1_dropout);
-        v_x1[i] = coconet::from_compute<float>(x_x1);
+        const float x_x1_add = coconet::round_to<float>(red[i - lo] + coconet::to_compute(l_v_bo[c2 * int64_t(1)]));
+        const float x_x1_dropout = coconet::round_to<float>((x_x1_add));
+        const float x_x1 = coconet::round_to<float>(coconet::to_compute(l_v_x[i]) + x_x1_dropout);
+        l_v_x1[i] = coconet::from_compute<float>(x_x1);
       }
     }
-    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm n2s, row by row
-      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_x1[row + j]); }, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm n2s, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(l_v_x1[row + j]); }, l_v_ln2_w, l_v_ln2_b, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
         const float y = coconet::round_to<float>(v);
-        v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
+        l_v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
       });
+    }
+    } else {
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_x1_add = coconet::round_to<float>(red[i - lo] + coconet::to_compute(l_v_bo[c2 * int64_t(1)]));
+        const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+        const float x_x1 = coconet::round_to<float>(coconet::to_compute(l_v_x[i]) + x_x1_dropout);
+        l_v_x1[i] = coconet::from_compute<float>(x_x1);
+      }
+    }
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm n2s, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(l_v_x1[row + j]); }, l_v_ln2_w, l_v_ln2_b, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
+        const float y = coconet::round_to<float>(v);
+        l_v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
+      });
+    }
     }
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
@@ -400,44 +429,37 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_b_fc = v_b_fc;
+      const auto l_v_h = v_h;
+      const auto l_v_h_add = v_h_add;
+      const auto l_v_hm = v_hm;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-      v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(l_v_hm[i]) + coconet::to_compute(l_v_b_fc[c2 * int64_t(1)]));
+      l_v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
-      v_h[i] = coconet::from_compute<float>(x_h);
+      l_v_h[i] = coconet::from_compute<float>(x_h);
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-      v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
-      v_h[i] = coconet::from_compute<float>(x_h);
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_28.end();
   coconet::trace::Unit trace_29(29);
@@ -455,20 +477,47 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_g_b_proj_part(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_L1 = L1;
+      const auto l_S_H = S_H;
+      const auto l_S_S = S_S;
+      const auto l_cols = cols;
+      const auto l_k5_g_y_add = k5_g_y_add;
+      const auto l_k6_g_y_add = k6_g_y_add;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_d_y = v_d_y;
+      const auto l_v_g_y_add = v_g_y_add;
+      float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * l_cols;
+      if (double(l_k5_g_y_add) == 0.0) {  // dropout at rate 0: its input
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         int64_t rest = row;
-        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
         const int64_t c0 = rest;
         (void)rest;
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
           const int64_t c2 = col;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          const float x_g_y_add = coconet::round_to<float>((coconet::to_compute(l_v_d_y[i])));
+          l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
           cs_g_b_proj_part[col] += x_g_y_add;
         }
+      }
+      } else {
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const int64_t c2 = col;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k5_g_y_add), int64_t(l_k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+          l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          cs_g_b_proj_part[col] += x_g_y_add;
+        }
+      }
       }
     };
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) coconet::parallel_blocks(nb, block);
@@ -509,13 +558,20 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_b_fc(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_b_fc = part_d_b_fc.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_cols = cols;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_g_h = v_g_h;
+      const auto l_v_g_h_add = v_g_h_add;
+      const auto l_v_h = v_h;
+      const auto l_v_h_add = v_h_add;
+      float* const cs_d_b_fc = part_d_b_fc.data() + blk * l_cols;
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(l_v_g_h[i]) * (((coconet::to_compute(l_v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(l_v_h[i]) / ((coconet::to_compute(l_v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(l_v_h_add[i]))))) + coconet::to_compute(l_v_h_add[i]) * (std::exp(coconet::to_compute(l_v_h_add[i]) * coconet::to_compute(l_v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          l_v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
           cs_d_b_fc[col] += x_g_h_add;
         }
       }
@@ -545,28 +601,41 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
     auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
       const int64_t gb = gb0 + base, ge = ge0 + base;
-  const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
-  const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-    const int64_t row_ = gb / (S_S * S_H);
-    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_f3, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    const auto l_S_B = S_B;
+    const auto l_S_H = S_H;
+    const auto l_S_S = S_S;
+    const auto l_v_d_y = v_d_y;
+    const auto l_v_g_allgather4 = v_g_allgather4;
+    const auto l_v_g_n2s = v_g_n2s;
+    const auto l_v_g_x1 = v_g_x1;
+    const auto l_v_g_x1_add = v_g_x1_add;
+    const auto l_v_ln2_w = v_ln2_w;
+    const auto l_v_pdrop = v_pdrop;
+    const auto l_v_seed = v_seed;
+    const auto l_v_x1 = v_x1;
+  const float k7_g_x1_add = coconet::to_compute(l_v_pdrop[0]);
+  const int64_t k8_g_x1_add = coconet::to_compute(l_v_seed[0]);
+    const int64_t row_ = gb / (l_S_S * l_S_H);
+    const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_f3, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    coconet::keep_chunk(v_g_n2s + lo, red, hi - lo);
+    if (double(k7_g_x1_add) == 0.0) {  // dropout at rate 0: its input
+    coconet::keep_chunk(l_v_g_n2s + lo, red, hi - lo);
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_g_n2s = coconet::round_to<float>(red[i - lo]);
       }
-    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm_dx in g_x1, row by row
-      coconet::layernorm_dx_row_by([&](int64_t j) { return float(coconet::to_compute(v_x1[row + j])); }, v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm_dx in g_x1, row by row
+      coconet::layernorm_dx_row_by([&](int64_t j) { return float(coconet::to_compute(l_v_x1[row + j])); }, l_v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
         const int64_t i = row + j;
         const float dx_ = coconet::round_to<float>(v);
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + dx_);
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(l_v_d_y[i]) + dx_);
+        l_v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       });
     }
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -577,10 +646,43 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-        v_g_allgather4[gb + (i - lo)] = coconet::from_compute<float>(x_g_x1_add);
+        const float x_g_x1_add = coconet::round_to<float>((coconet::to_compute(l_v_g_x1[i])));
+        l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+        l_v_g_allgather4[gb + (i - lo)] = coconet::from_compute<float>(x_g_x1_add);
       }
+    }
+    } else {
+    coconet::keep_chunk(l_v_g_n2s + lo, red, hi - lo);
+    COCONET_IVDEP
+      for (int64_t i = lo; i < hi; ++i) {
+        const float x_g_n2s = coconet::round_to<float>(red[i - lo]);
+      }
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm_dx in g_x1, row by row
+      coconet::layernorm_dx_row_by([&](int64_t j) { return float(coconet::to_compute(l_v_x1[row + j])); }, l_v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
+        const int64_t i = row + j;
+        const float dx_ = coconet::round_to<float>(v);
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(l_v_d_y[i]) + dx_);
+        l_v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+      });
+    }
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+        l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+        l_v_g_allgather4[gb + (i - lo)] = coconet::from_compute<float>(x_g_x1_add);
+      }
+    }
     }
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)});

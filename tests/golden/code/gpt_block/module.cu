@@ -12958,107 +12958,105 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -13102,50 +13100,6 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] kernel: h_add (gpt_block.ccn:52)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -13171,79 +13125,99 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_8.end();
-  coconet::cuda::trace::Unit trace_9(9, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
-  // [default] kernel: g_h_add (gpt_block.ccn)
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] kernel: h_add, g_h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_g_h, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
+          if (++cv2 == L2) cv2 = 0;
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
     });
   }
-  trace_10.end();
-  coconet::cuda::trace::Unit trace_11(11, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
-  trace_14.end();
-  coconet::cuda::trace::Unit trace_15(15, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // kernel g_x1: the epilogue of the layernorm_dx above
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
-  // kernel g_x1: the epilogue of the layernorm_dx above
-  trace_16.end();
-  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -13269,48 +13243,48 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] sum_lead d_bo (gpt_block.ccn)
   // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13361,8 +13335,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13388,12 +13362,12 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13448,96 +13422,96 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_49.end();
-  coconet::cuda::trace::Unit trace_50(50, stream);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_50.end();
-  coconet::cuda::trace::Unit trace_51(51, stream);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [default] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_51.end();
-  coconet::cuda::trace::Unit trace_52(52, stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_52.end();
-  coconet::cuda::trace::Unit trace_53(53, stream);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [default] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_53.end();
-  coconet::cuda::trace::Unit trace_54(54, stream);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_54.end();
-  coconet::cuda::trace::Unit trace_55(55, stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_55.end();
-  coconet::cuda::trace::Unit trace_56(56, stream);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -13564,34 +13538,34 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_56.end();
-  coconet::cuda::trace::Unit trace_57(57, stream);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_57.end();
-  coconet::cuda::trace::Unit trace_58(58, stream);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_58.end();
-  coconet::cuda::trace::Unit trace_59(59, stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
-  trace_59.end();
-  coconet::cuda::trace::Unit trace_60(60, stream);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_60.end();
   coconet::cuda::trace::Unit trace_61(61, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
-  trace_61.end();
-  coconet::cuda::trace::Unit trace_62(62, stream);
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
-  trace_62.end();
-  coconet::cuda::trace::Unit trace_63(63, stream);
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
-  trace_63.end();
+  trace_62.end();
 }
 
 // program gpt_block_bwd, schedule overlapped (gpt_block.ccn)
@@ -13671,72 +13645,70 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   // g_n2_part: only as packed chunks of its overlap
-  float* const v_g_n2 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(9, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
@@ -13745,26 +13717,26 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_n1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -13808,50 +13780,6 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [overlapped] kernel: h_add (gpt_block.ccn:52)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -13877,44 +13805,54 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
   // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_8.end();
-  coconet::cuda::trace::Unit trace_9(9, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
-  // [overlapped] kernel: g_h_add (gpt_block.ccn)
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [overlapped] kernel: h_add, g_h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
     coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
-      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      (void)c0;
+      (void)c1;
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
       v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       (void)col;
       return x_g_h_add;
     });
   }
-  trace_10.end();
-  coconet::cuda::trace::Unit trace_11(11, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -13927,36 +13865,36 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         for (int64_t o = 0; o < S_B; ++o)
           coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 31);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 30);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
         coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 32);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 31);
   }
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // kernel g_x1: the epilogue of the layernorm_dx above
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // kernel g_x1: the epilogue of the layernorm_dx above
-  trace_15.end();
-  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
-  trace_16.end();
-  coconet::cuda::trace::Unit trace_17(17, stream);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -13982,48 +13920,48 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
   // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [overlapped] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [overlapped] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [overlapped] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14074,8 +14012,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14101,12 +14039,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14161,84 +14099,84 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [overlapped] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [overlapped] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [overlapped] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [overlapped] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [overlapped] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [overlapped] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [overlapped] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [overlapped] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_49.end();
-  coconet::cuda::trace::Unit trace_50(50, stream);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_50.end();
-  coconet::cuda::trace::Unit trace_51(51, stream);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [overlapped] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_51.end();
-  coconet::cuda::trace::Unit trace_52(52, stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -14252,38 +14190,38 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
         coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 34);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 35);
   }
-  trace_52.end();
-  coconet::cuda::trace::Unit trace_53(53, stream);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_53.end();
-  coconet::cuda::trace::Unit trace_54(54, stream);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_54.end();
-  coconet::cuda::trace::Unit trace_55(55, stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_55.end();
   coconet::cuda::trace::Unit trace_56(56, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
-  trace_56.end();
-  coconet::cuda::trace::Unit trace_57(57, stream);
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
-  trace_57.end();
-  coconet::cuda::trace::Unit trace_58(58, stream);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
-  trace_58.end();
+  trace_57.end();
 }
 
 // program gpt_block_sp_fwd, schedule default (gpt_block.ccn)
@@ -16952,117 +16890,115 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(4, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(3, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(11, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(12, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(14, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(41, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(40, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(42, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(41, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -17112,50 +17048,6 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] kernel: h_add (gpt_block.ccn:139)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17177,83 +17069,103 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
-  trace_8.end();
-  coconet::cuda::trace::Unit trace_9(9, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  trace_10.end();
-  coconet::cuda::trace::Unit trace_11(11, stream);
-  // [default] kernel: g_h_add (gpt_block.ccn)
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] kernel: h_add, g_h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_g_h, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
+          if (++cv2 == L2) cv2 = 0;
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
     });
   }
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
-  trace_14.end();
-  coconet::cuda::trace::Unit trace_15(15, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
-  trace_15.end();
-  coconet::cuda::trace::Unit trace_16(16, stream);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // kernel g_x1: the epilogue of the layernorm_dx above
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
-  // kernel g_x1: the epilogue of the layernorm_dx above
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17275,52 +17187,52 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       return x_g_x1_add;
     });
   }
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] sum_lead g_bo_part (gpt_block.ccn)
   // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] transpose t1_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] transpose t2_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17371,8 +17283,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17398,12 +17310,12 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17458,96 +17370,96 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] transpose t4_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] transpose t5_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [default] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [default] matmul_nt g_n1_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [default] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [default] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [default] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [default] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_49.end();
-  coconet::cuda::trace::Unit trace_50(50, stream);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_50.end();
-  coconet::cuda::trace::Unit trace_51(51, stream);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [default] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_51.end();
-  coconet::cuda::trace::Unit trace_52(52, stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [default] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_52.end();
-  coconet::cuda::trace::Unit trace_53(53, stream);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [default] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_53.end();
-  coconet::cuda::trace::Unit trace_54(54, stream);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
   // [default] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_54.end();
-  coconet::cuda::trace::Unit trace_55(55, stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [default] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_55.end();
-  coconet::cuda::trace::Unit trace_56(56, stream);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [default] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_56.end();
-  coconet::cuda::trace::Unit trace_57(57, stream);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_57.end();
-  coconet::cuda::trace::Unit trace_58(58, stream);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -17574,58 +17486,58 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_58.end();
-  coconet::cuda::trace::Unit trace_59(59, stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_59.end();
-  coconet::cuda::trace::Unit trace_60(60, stream);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_60.end();
-  coconet::cuda::trace::Unit trace_61(61, stream);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  trace_61.end();
-  coconet::cuda::trace::Unit trace_62(62, stream);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  trace_61.end();
+  coconet::cuda::trace::Unit trace_62(62, stream);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_62.end();
   coconet::cuda::trace::Unit trace_63(63, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
-  trace_63.end();
-  coconet::cuda::trace::Unit trace_64(64, stream);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_64.end();
-  coconet::cuda::trace::Unit trace_65(65, stream);
+  trace_63.end();
+  coconet::cuda::trace::Unit trace_64(64, stream);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_65.end();
-  coconet::cuda::trace::Unit trace_66(66, stream);
+  trace_64.end();
+  coconet::cuda::trace::Unit trace_65(65, stream);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
-  trace_66.end();
-  coconet::cuda::trace::Unit trace_67(67, stream);
+  trace_65.end();
+  coconet::cuda::trace::Unit trace_66(66, stream);
   // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
-  trace_67.end();
-  coconet::cuda::trace::Unit trace_68(68, stream);
+  trace_66.end();
+  coconet::cuda::trace::Unit trace_67(67, stream);
   // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
-  trace_68.end();
-  coconet::cuda::trace::Unit trace_69(69, stream);
+  trace_67.end();
+  coconet::cuda::trace::Unit trace_68(68, stream);
   // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
-  trace_69.end();
-  coconet::cuda::trace::Unit trace_70(70, stream);
+  trace_68.end();
+  coconet::cuda::trace::Unit trace_69(69, stream);
   // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
-  trace_70.end();
-  coconet::cuda::trace::Unit trace_71(71, stream);
+  trace_69.end();
+  coconet::cuda::trace::Unit trace_70(70, stream);
   // [default] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
-  trace_71.end();
+  trace_70.end();
 }
 
 // program gpt_block_sp_bwd, schedule backward (gpt_block.ccn)
@@ -17705,75 +17617,73 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(4, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(3, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(13, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(14, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(14, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_o = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(15, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t0_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t0_g_a = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t0_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t0_g_a), "t0_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t1_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_v = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t1_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t1_g_v), "t1_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t2_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_rows = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_rows), "t2_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t3_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t3_g_q = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t3_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t3_g_q), "t3_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t4_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t4_g_s_transpose), "t4_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
@@ -17782,32 +17692,32 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t5_d_x = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(36, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(38, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(37, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -17857,50 +17767,6 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [backward] kernel: h_add (gpt_block.ccn:139)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
   // [backward] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17922,17 +17788,17 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       return x_g_y_add;
     });
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 40);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 39);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
@@ -17940,37 +17806,47 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
         coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
       }
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 39);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 38);  // chunk i has arrived
       {
         const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
         coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
       }
     }
   }
-  trace_8.end();
-  coconet::cuda::trace::Unit trace_9(9, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [backward] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
-  // [backward] kernel: g_h_add (gpt_block.ccn)
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [backward] kernel: h_add, g_h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
     coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
-      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      (void)c0;
+      (void)c1;
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
       v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       (void)col;
       return x_g_h_add;
     });
   }
-  trace_10.end();
-  coconet::cuda::trace::Unit trace_11(11, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -17982,7 +17858,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 41);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 40);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -17995,8 +17871,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
     const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(43, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(44, nred_f3);
+    float* const red0_f3 = coconet::cuda::scratch<float>(42, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(43, nred_f3);
   COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
   COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
@@ -18069,66 +17945,66 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
     auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
     auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 360, reduce_to, compute_keep, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 352, reduce_to, compute_keep, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 42);
+    coconet::cuda::join(sctx.stream, ctx.stream, 41);
   }
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_14.end();
-  coconet::cuda::trace::Unit trace_15(15, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_15.end();
-  coconet::cuda::trace::Unit trace_16(16, stream);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_16.end();
-  coconet::cuda::trace::Unit trace_17(17, stream);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [backward] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [backward] reshape g_o_transpose (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [backward] transpose t0_g_a (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [backward] matmul g_a (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [backward] transpose t1_g_v (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [backward] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18179,8 +18055,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [backward] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18206,12 +18082,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [backward] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18266,84 +18142,84 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [backward] transpose t3_g_q (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [backward] matmul g_q (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [backward] reshape g_v_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [backward] reshape d_bv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [backward] reshape d_wv (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [backward] transpose g_k_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [backward] reshape g_k_matmul (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [backward] reshape d_wk (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [backward] transpose g_q_reshape2 (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [backward] reshape g_q_add (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [backward] sum_lead g_q_reshape (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
   // [backward] reshape d_bq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
   // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -18357,62 +18233,62 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
         coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 46);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 45);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 47);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 46);
   }
-  trace_49.end();
-  coconet::cuda::trace::Unit trace_50(50, stream);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_50.end();
-  coconet::cuda::trace::Unit trace_51(51, stream);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  trace_51.end();
-  coconet::cuda::trace::Unit trace_52(52, stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
   coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_52.end();
   coconet::cuda::trace::Unit trace_53(53, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
-  trace_53.end();
-  coconet::cuda::trace::Unit trace_54(54, stream);
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_54.end();
-  coconet::cuda::trace::Unit trace_55(55, stream);
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  trace_55.end();
-  coconet::cuda::trace::Unit trace_56(56, stream);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
-  trace_56.end();
-  coconet::cuda::trace::Unit trace_57(57, stream);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
-  trace_57.end();
-  coconet::cuda::trace::Unit trace_58(58, stream);
+  trace_56.end();
+  coconet::cuda::trace::Unit trace_57(57, stream);
   // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
-  trace_58.end();
-  coconet::cuda::trace::Unit trace_59(59, stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
-  trace_59.end();
-  coconet::cuda::trace::Unit trace_60(60, stream);
+  trace_58.end();
+  coconet::cuda::trace::Unit trace_59(59, stream);
   // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
-  trace_60.end();
-  coconet::cuda::trace::Unit trace_61(61, stream);
+  trace_59.end();
+  coconet::cuda::trace::Unit trace_60(60, stream);
   // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
-  trace_61.end();
+  trace_60.end();
 }
 
 }  // namespace coconet_gen

@@ -35,17 +35,28 @@ void lamb__zero(const coconet::CallArgs& a) {
   std::vector<double> pa_t1_w1(seg_starts.size() - 1, 0.0);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k0_m1 = coconet::to_compute(v_beta1[0]);
-  const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-  const float k2_v1 = coconet::to_compute(v_beta2[0]);
-  const float k3_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-  const float k4_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
-  const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
-  const float k6_r = coconet::to_compute(v_eps[0]);
-  const float k7_r = coconet::to_compute(v_wd[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_beta1 = v_beta1;
+    const auto l_v_beta2 = v_beta2;
+    const auto l_v_eps = v_eps;
+    const auto l_v_m = v_m;
+    const auto l_v_m1 = v_m1;
+    const auto l_v_r = v_r;
+    const auto l_v_step = v_step;
+    const auto l_v_v = v_v;
+    const auto l_v_v1 = v_v1;
+    const auto l_v_wd = v_wd;
+  const float k0_m1 = coconet::to_compute(l_v_beta1[0]);
+  const float k1_m1 = 1.0f - coconet::to_compute(l_v_beta1[0]);
+  const float k2_v1 = coconet::to_compute(l_v_beta2[0]);
+  const float k3_v1 = 1.0f - coconet::to_compute(l_v_beta2[0]);
+  const float k4_r = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta1[0]), coconet::to_compute(l_v_step[0]));
+  const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta2[0]), coconet::to_compute(l_v_step[0]));
+  const float k6_r = coconet::to_compute(l_v_eps[0]);
+  const float k7_r = coconet::to_compute(l_v_wd[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {
       const size_t s = pc.segment;
@@ -53,12 +64,12 @@ void lamb__zero(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t j = 0; j < pc.size; ++j) {
         const int64_t i = lo + b0 + j;
-        const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * red[i - lo]);
-        v_m1[i] = coconet::from_compute<float>(x_m1);
-        const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i]) + k3_v1 * red[i - lo] * red[i - lo]);
-        v_v1[i] = coconet::from_compute<float>(x_v1);
+        const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(l_v_m[i]) + k1_m1 * red[i - lo]);
+        l_v_m1[i] = coconet::from_compute<float>(x_m1);
+        const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(l_v_v[i]) + k3_v1 * red[i - lo] * red[i - lo]);
+        l_v_v1[i] = coconet::from_compute<float>(x_v1);
         const float x_r = coconet::round_to<float>(x_m1 / k4_r / (std::sqrt(x_v1 / k5_r) + k6_r) + k7_r * coconet::to_compute(p_w.ptrs[s][a0 + j]));
-        v_r[i] = coconet::from_compute<float>(x_r);
+        l_v_r[i] = coconet::from_compute<float>(x_r);
       }
     }
     {  // t0_w1: partial segment_norm(w) of the chunk
@@ -67,7 +78,7 @@ void lamb__zero(const coconet::CallArgs& a) {
     }
     {  // t1_w1: partial segment_norm(r) of the chunk
       for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge))
-        pa_t1_w1[pc.segment] += coconet::sumsq_of(v_r + lo + pc.offset, pc.size);
+        pa_t1_w1[pc.segment] += coconet::sumsq_of(l_v_r + lo + pc.offset, pc.size);
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::avg, coconet::Segments<const float>(p_g), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {});
@@ -85,10 +96,16 @@ void lamb__zero(const coconet::CallArgs& a) {
   }
   const int64_t off_fused0_b = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0_b = [&](int64_t gb, int64_t ge) {  // w1, then its piece of agw to every rank
-  const float k8_w1 = coconet::to_compute(v_lr[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0_b, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_lr = v_lr;
+    const auto l_v_r = v_r;
+    const auto l_v_t0_w1 = v_t0_w1;
+    const auto l_v_t1_w1 = v_t1_w1;
+    const auto l_v_w1 = v_w1;
+  const float k8_w1 = coconet::to_compute(l_v_lr[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0_b, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {
       const size_t s = pc.segment;
@@ -96,8 +113,8 @@ void lamb__zero(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t j = 0; j < pc.size; ++j) {
         const int64_t i = lo + b0 + j;
-        const float x_w1 = coconet::round_to<float>(coconet::to_compute(p_w.ptrs[s][a0 + j]) - k8_w1 * (coconet::to_compute(v_t0_w1[i]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_w1 = coconet::round_to<float>(coconet::to_compute(p_w.ptrs[s][a0 + j]) - k8_w1 * (coconet::to_compute(l_v_t0_w1[i]) / coconet::to_compute(l_v_t1_w1[i])) * coconet::to_compute(l_v_r[i]));
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
     }
     coconet::copy_in(v_w1 + lo, p_w, gb, ge);

@@ -27,13 +27,22 @@ void attn_out__fused(const coconet::CallArgs& a) {
   // [fused] fused collective fused0: rs, h, out, ago (layernorm.ccn:19)
   const int64_t off_fused0 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-    const int64_t row_ = gb / (S_S * S_H);
-    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    const auto l_S_B = S_B;
+    const auto l_S_H = S_H;
+    const auto l_S_S = S_S;
+    const auto l_v_ago = v_ago;
+    const auto l_v_b = v_b;
+    const auto l_v_beta = v_beta;
+    const auto l_v_gamma = v_gamma;
+    const auto l_v_h = v_h;
+    const auto l_v_r = v_r;
+    const int64_t row_ = gb / (l_S_S * l_S_H);
+    const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -44,14 +53,14 @@ void attn_out__fused(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h = coconet::round_to<float>(red[i - lo] + coconet::to_compute(v_b[c2 * int64_t(1)]) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
-        v_h[i] = coconet::from_compute<float>(x_h);
+        const float x_h = coconet::round_to<float>(red[i - lo] + coconet::to_compute(l_v_b[c2 * int64_t(1)]) + coconet::to_compute(l_v_r[c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1)]));
+        l_v_h[i] = coconet::from_compute<float>(x_h);
       }
     }
-    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm out, row by row
-      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_h[row + j]); }, v_gamma, v_beta, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+    for (int64_t row = lo; row < hi; row += l_S_H) {  // layernorm out, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(l_v_h[row + j]); }, l_v_gamma, l_v_beta, static_cast<float>(1e-05), l_S_H, [&](int64_t j, float v) {
         const float y = coconet::round_to<float>(v);
-        v_ago[gb + (row + j - lo)] = coconet::from_compute<float>(y);
+        l_v_ago[gb + (row + j - lo)] = coconet::from_compute<float>(y);
       });
     }
   };

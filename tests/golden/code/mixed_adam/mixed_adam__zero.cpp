@@ -33,30 +33,44 @@ void mixed_adam__zero(const coconet::CallArgs& a) {
   // [zero] fused collective fused0: rs, gf, m1, v1, w1, h1, agh (mixed_adam.ccn:18)
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k0_gf = coconet::to_compute(v_scale[0]);
-  const float k1_m1 = coconet::to_compute(v_beta1[0]);
-  const float k2_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-  const float k3_v1 = coconet::to_compute(v_beta2[0]);
-  const float k4_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-  const float k5_w1 = coconet::to_compute(v_lr[0]);
-  const float k6_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
-  const float k7_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
-  const float k8_w1 = coconet::to_compute(v_eps[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_beta1 = v_beta1;
+    const auto l_v_beta2 = v_beta2;
+    const auto l_v_eps = v_eps;
+    const auto l_v_h1 = v_h1;
+    const auto l_v_lr = v_lr;
+    const auto l_v_m = v_m;
+    const auto l_v_m1 = v_m1;
+    const auto l_v_scale = v_scale;
+    const auto l_v_step = v_step;
+    const auto l_v_v = v_v;
+    const auto l_v_v1 = v_v1;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+  const float k0_gf = coconet::to_compute(l_v_scale[0]);
+  const float k1_m1 = coconet::to_compute(l_v_beta1[0]);
+  const float k2_m1 = 1.0f - coconet::to_compute(l_v_beta1[0]);
+  const float k3_v1 = coconet::to_compute(l_v_beta2[0]);
+  const float k4_v1 = 1.0f - coconet::to_compute(l_v_beta2[0]);
+  const float k5_w1 = coconet::to_compute(l_v_lr[0]);
+  const float k6_w1 = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta1[0]), coconet::to_compute(l_v_step[0]));
+  const float k7_w1 = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta2[0]), coconet::to_compute(l_v_step[0]));
+  const float k8_w1 = coconet::to_compute(l_v_eps[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(red[i - lo]) / k0_gf);
-        const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(v_m[i]) + k2_m1 * x_gf);
-        v_m1[i] = coconet::from_compute<float>(x_m1);
-        const float x_v1 = coconet::round_to<float>(k3_v1 * coconet::to_compute(v_v[i]) + k4_v1 * x_gf * x_gf);
-        v_v1[i] = coconet::from_compute<float>(x_v1);
-        const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k5_w1 * (x_m1 / k6_w1) / (std::sqrt(x_v1 / k7_w1) + k8_w1));
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(l_v_m[i]) + k2_m1 * x_gf);
+        l_v_m1[i] = coconet::from_compute<float>(x_m1);
+        const float x_v1 = coconet::round_to<float>(k3_v1 * coconet::to_compute(l_v_v[i]) + k4_v1 * x_gf * x_gf);
+        l_v_v1[i] = coconet::from_compute<float>(x_v1);
+        const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i]) - k5_w1 * (x_m1 / k6_w1) / (std::sqrt(x_v1 / k7_w1) + k8_w1));
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
         const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(x_w1));
-        v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
+        l_v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
       }
   };
   coconet::fused_rs_compute_ag<coconet::half>(coconet::Op::sum, coconet::Segments<const coconet::half>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {coconet::gather_target(v_agh, S_N)});

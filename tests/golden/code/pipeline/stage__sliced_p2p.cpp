@@ -33,36 +33,33 @@ void stage__sliced_p2p(const coconet::CallArgs& a) {
     const int64_t L0 = coconet::slice_range(S_B, comm.size, comm.rank).size();
     const int64_t L1 = S_H;
     const int64_t n = coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_S_H = S_H;
+      const auto l_v_b = v_b;
+      const auto l_v_h = v_h;
+      const auto l_v_r = v_r;
+      const auto l_v_rs = v_rs;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L1;
-      const int64_t j0 = i0 - rest * L1;
+      int64_t rest = i0 / l_L1;
+      const int64_t j0 = i0 - rest * l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L1 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L1 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c1 = j0 + (i - i0);
-        v_h[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c1 * int64_t(1)])) + coconet::to_compute(v_r[i + off * S_H]));
+        l_v_h[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(l_v_rs[i]) + coconet::to_compute(l_v_b[c1 * int64_t(1)])) + coconet::to_compute(l_v_r[i + off * l_S_H]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L1;
-      const int64_t j0 = i0 - rest * L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L1 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c1 = j0 + (i - i0);
-        v_h[i] = coconet::from_compute<float>(coconet::relu(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c1 * int64_t(1)])) + coconet::to_compute(v_r[i + off * S_H]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);

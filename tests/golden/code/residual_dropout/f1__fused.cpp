@@ -24,14 +24,21 @@ void f1__fused(const coconet::CallArgs& a) {
   // [fused] fused collective fused0: rs, h, agh (residual_dropout.ccn:11)
   const int64_t off_fused0 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-  const int64_t k0_h = coconet::to_compute(v_seed[0]);
-    const int64_t row_ = gb / (S_S * S_H);
-    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    const auto l_S_B = S_B;
+    const auto l_S_H = S_H;
+    const auto l_S_S = S_S;
+    const auto l_v_agh = v_agh;
+    const auto l_v_b = v_b;
+    const auto l_v_r = v_r;
+    const auto l_v_seed = v_seed;
+  const int64_t k0_h = coconet::to_compute(l_v_seed[0]);
+    const int64_t row_ = gb / (l_S_S * l_S_H);
+    const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
+    const int64_t L0 = l_S_B;
+    const int64_t L1 = coconet::slice_range(l_S_S, comm.size, comm.rank).size();
+    const int64_t L2 = l_S_H;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
       const int64_t j0 = i0 - rest * L2;
@@ -42,8 +49,8 @@ void f1__fused(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h = coconet::round_to<float>(coconet::dropout<float>(red[i - lo] + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.25, int64_t(k0_h), 3277332420u /* h#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))) * 2.0f + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
-        v_agh[gb + (i - lo)] = coconet::from_compute<float>(x_h);
+        const float x_h = coconet::round_to<float>(coconet::dropout<float>(red[i - lo] + coconet::to_compute(l_v_b[c2 * int64_t(1)]), 0.25, int64_t(k0_h), 3277332420u /* h#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))) * 2.0f + coconet::to_compute(l_v_r[c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1)]));
+        l_v_agh[gb + (i - lo)] = coconet::from_compute<float>(x_h);
       }
     }
   };

@@ -44,20 +44,22 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_gf = k0_gf;
+      const auto l_v_g1 = v_g1;
+      const auto l_v_gf = v_gf;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
+      l_v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(l_v_g1[i])) / l_k0_gf);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_gf[i] = coconet::from_compute<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);
@@ -66,20 +68,21 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_gf = v_gf;
+      const auto l_v_t0_bad = v_t0_bad;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
+      l_v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(l_v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t0_bad[i] = coconet::from_compute<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_2.end();
   coconet::trace::Unit trace_3(3);
@@ -105,30 +108,42 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k10_w1 = k10_w1;
+      const auto l_k11_w1 = k11_w1;
+      const auto l_k1_m1 = k1_m1;
+      const auto l_k2_m1 = k2_m1;
+      const auto l_k3_m1 = k3_m1;
+      const auto l_k4_v1 = k4_v1;
+      const auto l_k5_v1 = k5_v1;
+      const auto l_k6_v1 = k6_v1;
+      const auto l_k7_w1 = k7_w1;
+      const auto l_k8_w1 = k8_w1;
+      const auto l_k9_w1 = k9_w1;
+      const auto l_v_gf = v_gf;
+      const auto l_v_m = v_m;
+      const auto l_v_m1 = v_m1;
+      const auto l_v_v = v_v;
+      const auto l_v_v1 = v_v1;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i])) : float(k5_v1 * coconet::to_compute(v_v[i]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_w1 = coconet::round_to<float>(((k7_w1) ? float(coconet::to_compute(v_w[i])) : float(coconet::to_compute(v_w[i]) - k8_w1 * (x_m1 / k9_w1) / (std::sqrt(x_v1 / k10_w1) + k11_w1))));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
+      const float x_m1 = coconet::round_to<float>(((l_k1_m1) ? float(coconet::to_compute(l_v_m[i])) : float(l_k2_m1 * coconet::to_compute(l_v_m[i]) + l_k3_m1 * coconet::to_compute(l_v_gf[i]))));
+      l_v_m1[i] = coconet::from_compute<float>(x_m1);
+      const float x_v1 = coconet::round_to<float>(((l_k4_v1) ? float(coconet::to_compute(l_v_v[i])) : float(l_k5_v1 * coconet::to_compute(l_v_v[i]) + l_k6_v1 * coconet::to_compute(l_v_gf[i]) * coconet::to_compute(l_v_gf[i]))));
+      l_v_v1[i] = coconet::from_compute<float>(x_v1);
+      const float x_w1 = coconet::round_to<float>(((l_k7_w1) ? float(coconet::to_compute(l_v_w[i])) : float(coconet::to_compute(l_v_w[i]) - l_k8_w1 * (x_m1 / l_k9_w1) / (std::sqrt(x_v1 / l_k10_w1) + l_k11_w1))));
+      l_v_w1[i] = coconet::from_compute<float>(x_w1);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
-      v_m1[i] = coconet::from_compute<float>(x_m1);
-      const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i])) : float(k5_v1 * coconet::to_compute(v_v[i]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
-      v_v1[i] = coconet::from_compute<float>(x_v1);
-      const float x_w1 = coconet::round_to<float>(((k7_w1) ? float(coconet::to_compute(v_w[i])) : float(coconet::to_compute(v_w[i]) - k8_w1 * (x_m1 / k9_w1) / (std::sqrt(x_v1 / k10_w1) + k11_w1))));
-      v_w1[i] = coconet::from_compute<float>(x_w1);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_4.end();
   coconet::trace::Unit trace_5(5);
@@ -137,20 +152,21 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_h1 = v_h1;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
+      l_v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(l_v_w1[i])));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_h1[i] = coconet::from_compute<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_5.end();
   coconet::trace::Unit trace_6(6);
@@ -160,20 +176,21 @@ void scaled_adam__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k12_newscale = k12_newscale;
+      const auto l_v_newscale = v_newscale;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_newscale[i] = coconet::from_compute<float>(k12_newscale);
+      l_v_newscale[i] = coconet::from_compute<float>(l_k12_newscale);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_newscale[i] = coconet::from_compute<float>(k12_newscale);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_6.end();
 }

@@ -38,20 +38,24 @@ void scaled_adam__zero(const coconet::CallArgs& a) {
   std::vector<double> pa_bad(1, 0.0);
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k0_gf = coconet::to_compute(v_scale[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_gf = v_gf;
+    const auto l_v_scale = v_scale;
+    const auto l_v_t0_bad = v_t0_bad;
+  const float k0_gf = coconet::to_compute(l_v_scale[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(red[i - lo]) / k0_gf);
-        v_gf[i] = coconet::from_compute<float>(x_gf);
+        l_v_gf[i] = coconet::from_compute<float>(x_gf);
         const float x_t0_bad = coconet::round_to<float>(((std::abs(x_gf) < 3e+38f) ? float(0.0f) : float(1.0f)));
-        v_t0_bad[i] = coconet::from_compute<float>(x_t0_bad);
+        l_v_t0_bad[i] = coconet::from_compute<float>(x_t0_bad);
       }
     {  // bad: partial sum(t0_bad) of the chunk
-      pa_bad[0] += coconet::sum_of(v_t0_bad + lo, hi - lo);
+      pa_bad[0] += coconet::sum_of(l_v_t0_bad + lo, hi - lo);
     }
   };
   coconet::fused_rs_compute_ag<coconet::half>(coconet::Op::sum, coconet::Segments<const coconet::half>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {});
@@ -66,34 +70,49 @@ void scaled_adam__zero(const coconet::CallArgs& a) {
   }
   const int64_t off_fused0_b = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0_b = [&](int64_t gb, int64_t ge) {  // h1, then its piece of agh to every rank
-  const bool k1_m1 = coconet::to_compute(v_bad[0]) > 0.0f;
-  const float k2_m1 = coconet::to_compute(v_beta1[0]);
-  const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-  const bool k4_v1 = coconet::to_compute(v_bad[0]) > 0.0f;
-  const float k5_v1 = coconet::to_compute(v_beta2[0]);
-  const float k6_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-  const bool k7_w1 = coconet::to_compute(v_bad[0]) > 0.0f;
-  const float k8_w1 = coconet::to_compute(v_lr[0]);
-  const float k9_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
-  const float k10_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
-  const float k11_w1 = coconet::to_compute(v_eps[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0_b, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_bad = v_bad;
+    const auto l_v_beta1 = v_beta1;
+    const auto l_v_beta2 = v_beta2;
+    const auto l_v_eps = v_eps;
+    const auto l_v_gf = v_gf;
+    const auto l_v_h1 = v_h1;
+    const auto l_v_lr = v_lr;
+    const auto l_v_m = v_m;
+    const auto l_v_m1 = v_m1;
+    const auto l_v_step = v_step;
+    const auto l_v_v = v_v;
+    const auto l_v_v1 = v_v1;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+  const bool k1_m1 = coconet::to_compute(l_v_bad[0]) > 0.0f;
+  const float k2_m1 = coconet::to_compute(l_v_beta1[0]);
+  const float k3_m1 = 1.0f - coconet::to_compute(l_v_beta1[0]);
+  const bool k4_v1 = coconet::to_compute(l_v_bad[0]) > 0.0f;
+  const float k5_v1 = coconet::to_compute(l_v_beta2[0]);
+  const float k6_v1 = 1.0f - coconet::to_compute(l_v_beta2[0]);
+  const bool k7_w1 = coconet::to_compute(l_v_bad[0]) > 0.0f;
+  const float k8_w1 = coconet::to_compute(l_v_lr[0]);
+  const float k9_w1 = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta1[0]), coconet::to_compute(l_v_step[0]));
+  const float k10_w1 = 1.0f - coconet::power<float>(coconet::to_compute(l_v_beta2[0]), coconet::to_compute(l_v_step[0]));
+  const float k11_w1 = coconet::to_compute(l_v_eps[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0_b, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
-        const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
-        v_m1[i] = coconet::from_compute<float>(x_m1);
-        const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i])) : float(k5_v1 * coconet::to_compute(v_v[i]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
-        v_v1[i] = coconet::from_compute<float>(x_v1);
-        const float x_w1 = coconet::round_to<float>(((k7_w1) ? float(coconet::to_compute(v_w[i])) : float(coconet::to_compute(v_w[i]) - k8_w1 * (x_m1 / k9_w1) / (std::sqrt(x_v1 / k10_w1) + k11_w1))));
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(l_v_m[i])) : float(k2_m1 * coconet::to_compute(l_v_m[i]) + k3_m1 * coconet::to_compute(l_v_gf[i]))));
+        l_v_m1[i] = coconet::from_compute<float>(x_m1);
+        const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(l_v_v[i])) : float(k5_v1 * coconet::to_compute(l_v_v[i]) + k6_v1 * coconet::to_compute(l_v_gf[i]) * coconet::to_compute(l_v_gf[i]))));
+        l_v_v1[i] = coconet::from_compute<float>(x_v1);
+        const float x_w1 = coconet::round_to<float>(((k7_w1) ? float(coconet::to_compute(l_v_w[i])) : float(coconet::to_compute(l_v_w[i]) - k8_w1 * (x_m1 / k9_w1) / (std::sqrt(x_v1 / k10_w1) + k11_w1))));
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
-        const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
-        v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
+        const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(l_v_w1[i])));
+        l_v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
       }
   };
   coconet::compute_ag<coconet::half>(coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0_b, {coconet::gather_target(v_agh, S_N)});
@@ -105,20 +124,21 @@ void scaled_adam__zero(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = int64_t(1);
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k12_newscale = k12_newscale;
+      const auto l_v_newscale = v_newscale;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_newscale[i] = coconet::from_compute<float>(k12_newscale);
+      l_v_newscale[i] = coconet::from_compute<float>(l_k12_newscale);
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_newscale[i] = coconet::from_compute<float>(k12_newscale);
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
 }

@@ -29,20 +29,23 @@ void sgd__default(const coconet::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     const int64_t n = S_N;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_w1 = k0_w1;
+      const auto l_v_g1 = v_g1;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i]) - k0_w1 * coconet::to_compute(v_g1[i]));
+      l_v_w1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_w[i]) - l_k0_w1 * coconet::to_compute(l_v_g1[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i]) - k0_w1 * coconet::to_compute(v_g1[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
 }

@@ -22,15 +22,19 @@ void sgd__fused(const coconet::CallArgs& a) {
   // [fused] fused collective fused0: rs, w1, agw (sgd.ccn:10)
   const int64_t off_fused0 = coconet::slice_range(S_N, comm.size, comm.rank).begin * int64_t(1);
   auto compute_fused0 = [&](int64_t gb, int64_t ge, const float* red) {
-  const float k0_w1 = coconet::to_compute(v_lr[0]);
-    const int64_t row_ = gb / (S_N);
-    const int64_t lo = row_ * coconet::slice_range(S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (S_N)) - off_fused0, hi = lo + (ge - gb);
-    const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
+    const auto l_S_N = S_N;
+    const auto l_v_lr = v_lr;
+    const auto l_v_w = v_w;
+    const auto l_v_w1 = v_w1;
+  const float k0_w1 = coconet::to_compute(l_v_lr[0]);
+    const int64_t row_ = gb / (l_S_N);
+    const int64_t lo = row_ * coconet::slice_range(l_S_N, comm.size, comm.rank).size() * int64_t(1) + (gb - row_ * (l_S_N)) - off_fused0, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(l_S_N, comm.size, comm.rank).begin;
     (void)off; (void)hi;
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
-        const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * red[i - lo]);
-        v_w1[i] = coconet::from_compute<float>(x_w1);
+        const float x_w1 = coconet::round_to<float>(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - k0_w1 * red[i - lo]);
+        l_v_w1[i] = coconet::from_compute<float>(x_w1);
       }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g, S_N), coconet::Shape3{int64_t(1), S_N, int64_t(1)}, comm, coconet::fused_chunk_elems(), compute_fused0, {coconet::gather_target(v_agw, S_N)});

@@ -30,20 +30,23 @@ void sgd__rs_c_ag(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_N, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_w1 = k0_w1;
+      const auto l_v_rs = v_rs;
+      const auto l_v_w = v_w;
+      const auto l_v_w1 = v_w1;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(v_rs[i]));
+      l_v_w1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_w[i + off * int64_t(1)]) - l_k0_w1 * coconet::to_compute(l_v_rs[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_w1[i] = coconet::from_compute<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(v_rs[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);

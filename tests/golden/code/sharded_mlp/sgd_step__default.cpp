@@ -28,20 +28,23 @@ void sgd_step__default(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k0_w1n = k0_w1n;
+      const auto l_v_d_w1 = v_d_w1;
+      const auto l_v_w1 = v_w1;
+      const auto l_v_w1n = v_w1n;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_w1n[i] = coconet::from_compute<float>(coconet::to_compute(v_w1[i]) - k0_w1n * coconet::to_compute(v_d_w1[i]));
+      l_v_w1n[i] = coconet::from_compute<float>(coconet::to_compute(l_v_w1[i]) - l_k0_w1n * coconet::to_compute(l_v_d_w1[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_w1n[i] = coconet::from_compute<float>(coconet::to_compute(v_w1[i]) - k0_w1n * coconet::to_compute(v_d_w1[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_0.end();
   coconet::trace::Unit trace_1(1);
@@ -51,20 +54,23 @@ void sgd_step__default(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_k1_w2n = k1_w2n;
+      const auto l_v_d_w2 = v_d_w2;
+      const auto l_v_w2 = v_w2;
+      const auto l_v_w2n = v_w2n;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_w2n[i] = coconet::from_compute<float>(coconet::to_compute(v_w2[i]) - k1_w2n * coconet::to_compute(v_d_w2[i]));
+      l_v_w2n[i] = coconet::from_compute<float>(coconet::to_compute(l_v_w2[i]) - l_k1_w2n * coconet::to_compute(l_v_d_w2[i]));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_w2n[i] = coconet::from_compute<float>(coconet::to_compute(v_w2[i]) - k1_w2n * coconet::to_compute(v_d_w2[i]));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
 }

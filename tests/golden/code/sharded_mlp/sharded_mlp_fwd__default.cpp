@@ -37,20 +37,21 @@ void sharded_mlp_fwd__default(const coconet::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t n = coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_v_a = v_a;
+      const auto l_v_h = v_h;
       COCONET_IVDEP
     for (int64_t i = lo; i < hi; ++i) {
-      v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_h[i])));
+      l_v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(l_v_h[i])));
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_a[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_h[i])));
-    }
-    }
+    else
+      run(0, n);
   }
   trace_2.end();
   coconet::trace::Unit trace_3(3);

@@ -2195,39 +2195,51 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_d_y = a.tensor<float>(7);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_h_add = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_d_b2 = a.output<float>(4);
   COCONET_PARAM(v_d_b2, size_t(S_H) * sizeof(*v_d_b2), "d_b2", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w2 = a.output<float>(3);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
-  float* const v_g_x = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+  float* const v_g_x = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x, size_t(S_B * S_S * S_H) * sizeof(*v_g_x), "g_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [default] kernel: h_add (tp_mlp.ccn:66)
+  // [default] sum_lead d_b2 (tp_mlp.ccn)
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] matmul_nt g_h (tp_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] kernel: h_add, g_h_add (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_g_h, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
+        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
+        const auto in_h = coconet::cuda::load<4>(v_h + i0);
+        coconet::cuda::Vec<float, 4> out_g_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -2241,10 +2253,11 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
+          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
           if (++cv2 == L2) cv2 = 0;
         }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         auto rest = i;
@@ -2254,64 +2267,25 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_0.end();
-  coconet::cuda::trace::Unit trace_1(1, stream);
-  // [default] sum_lead d_b2 (tp_mlp.ccn)
-  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_1.end();
-  coconet::cuda::trace::Unit trace_2(2, stream);
-  // [default] matmul_nt g_h (tp_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] kernel: g_h_add (tp_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
     });
   }
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_g_x, S_B * S_S * S_H, ctx);
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] kernel: d_x (tp_mlp.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -2337,11 +2311,11 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_8.end();
-  coconet::cuda::trace::Unit trace_9(9, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
-  trace_9.end();
+  trace_8.end();
 }
 
 // program tp_block_bwd, schedule fused (tp_mlp.ccn)
@@ -2370,99 +2344,63 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_d_y = a.tensor<float>(7);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_h_add = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_d_b2 = a.output<float>(4);
   COCONET_PARAM(v_d_b2, size_t(S_H) * sizeof(*v_d_b2), "d_b2", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w2 = a.output<float>(3);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   float* const v_agx = a.output<float>(0);
   COCONET_PARAM(v_agx, size_t(S_B * S_S * S_H) * sizeof(*v_agx), "agx", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [fused] kernel: h_add (tp_mlp.ccn:66)
+  // [fused] sum_lead d_b2 (tp_mlp.ccn)
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [fused] matmul_nt g_h (tp_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [fused] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [fused] kernel: h_add, g_h_add (tp_mlp.ccn:66)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a = coconet::cuda::load<4>(v_a + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_0.end();
-  coconet::cuda::trace::Unit trace_1(1, stream);
-  // [fused] sum_lead d_b2 (tp_mlp.ccn)
-  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_1.end();
-  coconet::cuda::trace::Unit trace_2(2, stream);
-  // [fused] matmul_nt g_h (tp_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [fused] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [fused] kernel: g_h_add (tp_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
     coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
-      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      (void)c0;
+      (void)c1;
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
       v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       (void)col;
       return x_g_h_add;
     });
   }
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -2474,7 +2412,7 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 5);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 4);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -2487,8 +2425,8 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f = coconet::cuda::chunk_elems(comm.size == 1 ? most_f : 0);
     const int64_t chunks_f = (most_f + ch_f - 1) / ch_f;
     const int64_t nred_f = comm.size == 1 ? 0 : ch_f;  // one rank: no chunk buffers
-    float* const red0_f = coconet::cuda::scratch<float>(7, nred_f);
-    float* const red1_f = coconet::cuda::scratch<float>(8, nred_f);
+    float* const red0_f = coconet::cuda::scratch<float>(6, nred_f);
+    float* const red1_f = coconet::cuda::scratch<float>(7, nred_f);
   COCONET_BUFFER(red0_f, size_t(nred_f) * sizeof(*red0_f), "red0 (chunk buffer 0 of fused f)");
   COCONET_BUFFER(red1_f, size_t(nred_f) * sizeof(*red1_f), "red1 (chunk buffer 1 of fused f)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_x_part, red, S_B, S_S, S_H, k, ch_f, ctx, rb.begin, rb.end); };
@@ -2516,17 +2454,17 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_agx, S_B, S_S, S_H, k, ch_f, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_g_x_part + base_f + k * ch_f; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f, red0_f, red1_f, ctx, 72, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f, red0_f, red1_f, ctx, 64, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 6);
+    coconet::cuda::join(sctx.stream, ctx.stream, 5);
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_7.end();
+  trace_6.end();
 }
 
 // program tp_mlp_fwd, schedule default (tp_mlp.ccn)
@@ -2977,37 +2915,49 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_d_y = a.tensor<float>(7);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_h_add = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_d_b2 = a.output<float>(4);
   COCONET_PARAM(v_d_b2, size_t(S_H) * sizeof(*v_d_b2), "d_b2", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w2 = a.output<float>(3);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [default] kernel: h_add (tp_mlp.ccn:17)
+  // [default] sum_lead d_b2 (tp_mlp.ccn)
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] matmul_nt g_h (tp_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] kernel: h_add, g_h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_g_h, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
+        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
+        const auto in_h = coconet::cuda::load<4>(v_h + i0);
+        coconet::cuda::Vec<float, 4> out_g_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -3021,10 +2971,11 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
+          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
           if (++cv2 == L2) cv2 = 0;
         }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         auto rest = i;
@@ -3034,67 +2985,28 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_0.end();
-  coconet::cuda::trace::Unit trace_1(1, stream);
-  // [default] sum_lead d_b2 (tp_mlp.ccn)
-  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_1.end();
-  coconet::cuda::trace::Unit trace_2(2, stream);
-  // [default] matmul_nt g_h (tp_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] kernel: g_h_add (tp_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
     });
   }
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
-  trace_8.end();
+  trace_7.end();
 }
 
 // program tp_mlp_bwd, schedule overlapped (tp_mlp.ccn)
@@ -3123,15 +3035,13 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_d_y = a.tensor<float>(7);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_h_add = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_d_b2 = a.output<float>(4);
   COCONET_PARAM(v_d_b2, size_t(S_H) * sizeof(*v_d_b2), "d_b2", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w2 = a.output<float>(3);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
@@ -3141,86 +3051,52 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [overlapped] kernel: h_add (tp_mlp.ccn:17)
+  // [overlapped] sum_lead d_b2 (tp_mlp.ccn)
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [overlapped] matmul_nt g_h (tp_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [overlapped] kernel: h_add, g_h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a = coconet::cuda::load<4>(v_a + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_0.end();
-  coconet::cuda::trace::Unit trace_1(1, stream);
-  // [overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_1.end();
-  coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] matmul_nt g_h (tp_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [overlapped] kernel: g_h_add (tp_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
     coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
-      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      (void)c0;
+      (void)c1;
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
       v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       (void)col;
       return x_g_h_add;
     });
   }
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_x_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of d_x");
     for (int i = 0; i < 2; ++i) {
@@ -3233,20 +3109,20 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         for (int64_t o = 0; o < S_B; ++o)
           coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 3);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
         coconet::cuda::unpack<float>(Q, v_d_x, S_B, S_S, S_H, r, ctx.comm_stream);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 4);
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_7.end();
+  trace_6.end();
 }
 
 // program tp_mlp_bwd, schedule overlapped_h (tp_mlp.ccn)
@@ -3275,15 +3151,13 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_d_y = a.tensor<float>(7);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_h_add = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_d_b2 = a.output<float>(4);
   COCONET_PARAM(v_d_b2, size_t(S_H) * sizeof(*v_d_b2), "d_b2", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w2 = a.output<float>(3);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
@@ -3293,86 +3167,52 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [overlapped_h] kernel: h_add (tp_mlp.ccn:17)
+  // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [overlapped_h] kernel: h_add, g_h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a = coconet::cuda::load<4>(v_a + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_0.end();
-  coconet::cuda::trace::Unit trace_1(1, stream);
-  // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
-  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_1.end();
-  coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [overlapped_h] kernel: g_h_add (tp_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
     coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
-      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      (void)c0;
+      (void)c1;
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
       v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       (void)col;
       return x_g_h_add;
     });
   }
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_x_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of d_x");
     for (int i = 0; i < 2; ++i) {
@@ -3384,20 +3224,20 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
         coconet::cuda::gemm_trans<float>(false, true, S_B * S_S, r.size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_g_h_add, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1 + r.begin * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), P, r.size(), stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 3);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * S_S * r.size() * int64_t(1), cctx);
         coconet::cuda::unpack<float>(Q, v_d_x, S_B * S_S, S_H, int64_t(1), r, ctx.comm_stream);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 4);
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped_h] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_7.end();
+  trace_6.end();
 }
 
 // program tp_mlp_bwd, schedule split_overlapped (tp_mlp.ccn)
@@ -3426,101 +3266,65 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_d_y = a.tensor<float>(7);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_h_add = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_d_b2 = a.output<float>(4);
   COCONET_PARAM(v_d_b2, size_t(S_H) * sizeof(*v_d_b2), "d_b2", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(1, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w2 = a.output<float>(3);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
-  float* const v_rs = coconet::cuda::scratch<float>(5, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_rs = coconet::cuda::scratch<float>(4, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_rs, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_rs), "rs");
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_ag = a.output<float>(0);
   COCONET_PARAM(v_ag, size_t(S_B * S_S * S_H) * sizeof(*v_ag), "ag", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [split_overlapped] kernel: h_add (tp_mlp.ccn:17)
+  // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [split_overlapped] kernel: h_add, g_h_add (tp_mlp.ccn:17)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a = coconet::cuda::load<4>(v_a + i0);
-        coconet::cuda::Vec<float, 4> out_h_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-          out_h_add[u] = coconet::from_compute<float>(x_h_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-        v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      }
-    });
-  }
-  trace_0.end();
-  coconet::cuda::trace::Unit trace_1(1, stream);
-  // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
-  trace_1.end();
-  coconet::cuda::trace::Unit trace_2(2, stream);
-  // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [split_overlapped] kernel: g_h_add (tp_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
     coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
-      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      (void)c0;
+      (void)c1;
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
       v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       (void)col;
       return x_g_h_add;
     });
   }
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3532,23 +3336,23 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", i, stream);
         coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 6);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 5);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::reduce_scatter<float>(ncclSum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 7);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 6);
   }
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [split_overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
   // [split_overlapped] allgather ag (NCCL) (tp_mlp.ccn)
   coconet::cuda::allgather<float>(v_rs, v_ag, S_B, S_S, S_H, ctx);
-  trace_8.end();
+  trace_7.end();
 }
 
 }  // namespace coconet_gen

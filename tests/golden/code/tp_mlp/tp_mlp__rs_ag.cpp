@@ -77,38 +77,33 @@ void tp_mlp__rs_ag(const coconet::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_b2 = v_b2;
+      const auto l_v_rs = v_rs;
+      const auto l_v_y = v_y;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_y[i] = coconet::from_compute<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
+        l_v_y[i] = coconet::from_compute<float>(coconet::to_compute(l_v_rs[i]) + coconet::to_compute(l_v_b2[c2 * int64_t(1)]));
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_y[i] = coconet::from_compute<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_4.end();
   coconet::trace::Unit trace_5(5);

@@ -24,88 +24,62 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
   float* const v_a = a.tensor<float>(5);
   float* const v_h = a.tensor<float>(6);
   float* const v_d_y = a.tensor<float>(7);
-  float* const v_h_add = coconet::scratch<float, 1>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b2 = a.output<float>(4);
-  float* const v_g_h = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::scratch<float, 1>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w2 = a.output<float>(3);
-  float* const v_g_h_add = coconet::scratch<float, 3>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b1 = a.output<float>(2);
-  float* const v_g_x_part = coconet::scratch<float, 4>(S_B * S_S * S_H);
-  float* const v_rs = coconet::scratch<float, 5>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x_part = coconet::scratch<float, 3>(S_B * S_S * S_H);
+  float* const v_rs = coconet::scratch<float, 4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w1 = a.output<float>(1);
   float* const v_ag = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
-  // [split_overlapped] loop: h_add (tp_mlp.ccn:17)
-  {
+  // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
+  coconet::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H);
+  trace_0.end();
+  coconet::trace::Unit trace_1(1);
+  // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
+  coconet::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  trace_1.end();
+  coconet::trace::Unit trace_2(2);
+  // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
+  coconet::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
+  // [split_overlapped] loop: h_add, g_h_add (tp_mlp.ccn:17)
+  {  // and the column sums d_b1 of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
-    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-      }
-    }
-      });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-      }
-    }
-    }
-  }
-  trace_0.end();
-  coconet::trace::Unit trace_1(1);
-  // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H);
-  trace_1.end();
-  coconet::trace::Unit trace_2(2);
-  // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
-  coconet::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  trace_2.end();
-  coconet::trace::Unit trace_3(3);
-  // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  trace_3.end();
-  coconet::trace::Unit trace_4(4);
-  // [split_overlapped] loop: g_h_add (tp_mlp.ccn)
-  {  // and the column sums d_b1 of g_h_add
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), cols = coconet::slice_range(S_F, comm.size, comm.rank).size(), rows = cols > 0 ? n / cols : 0;
     const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_b1(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_b1 = part_d_b1.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_L1 = L1;
+      const auto l_cols = cols;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_a = v_a;
+      const auto l_v_b1 = v_b1;
+      const auto l_v_g_h = v_g_h;
+      const auto l_v_g_h_add = v_g_h_add;
+      const auto l_v_h = v_h;
+      float* const cs_d_b1 = part_d_b1.data() + blk * l_cols;
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % l_L1; rest /= l_L1;
+        const int64_t c0 = rest;
+        (void)rest;
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const int64_t c2 = col;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(l_v_a[i]) + coconet::to_compute(l_v_b1[c2 * int64_t(1)]));
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(l_v_g_h[i]) * (((x_h_add == 0.0f) ? float(0.5f) : float(coconet::to_compute(l_v_h[i]) / ((x_h_add == 0.0f) ? float(1.0f) : float(x_h_add)))) + x_h_add * (std::exp(x_h_add * x_h_add * -0.5f) * 0.3989422804014327f)));
+          l_v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
           cs_d_b1[col] += x_g_h_add;
         }
       }
@@ -118,12 +92,12 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b1[col] = coconet::from_compute<float>(part_d_b1[col]);
   }
-  trace_4.end();
-  coconet::trace::Unit trace_5(5);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
   // d_b1: summed by the loop that computes g_h_add (plan: column sums)
-  trace_5.end();
-  coconet::trace::Unit trace_6(6);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -133,15 +107,15 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_reduce_scatter(coconet::Op::sum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
   });
-  trace_6.end();
-  coconet::trace::Unit trace_7(7);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [split_overlapped] matmul_tn d_w1 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  trace_7.end();
-  coconet::trace::Unit trace_8(8);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
   // [split_overlapped] allgather ag (tp_mlp.ccn)
   coconet::allgather(v_rs, v_ag, S_B, S_S, S_H, comm);
-  trace_8.end();
+  trace_7.end();
 }
 
 }  // namespace coconet_gen

@@ -47,44 +47,37 @@ void tp_mlp_grad__split_overlapped(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-      const int64_t lo = blk * coconet::kParallelMin, hi = std::min<int64_t>(n, lo + coconet::kParallelMin);
+    auto run = [&](int64_t lo, int64_t hi) {
+      const auto l_L1 = L1;
+      const auto l_L2 = L2;
+      const auto l_v_a = v_a;
+      const auto l_v_b1 = v_b1;
+      const auto l_v_h = v_h;
+      const auto l_v_h_add = v_h_add;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
+      int64_t rest = i0 / l_L2;
+      const int64_t j0 = i0 - rest * l_L2;
+      const int64_t c1 = rest % l_L1; rest /= l_L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-      v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(l_v_a[i]) + coconet::to_compute(l_v_b1[c2 * int64_t(1)]));
+      l_v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
-      v_h[i] = coconet::from_compute<float>(x_h);
+      l_v_h[i] = coconet::from_compute<float>(x_h);
       }
     }
+    };
+    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
+      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
+        const int64_t lo = blk * coconet::kParallelMin;
+        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
       });
-    } else {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_a[i]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
-      v_h_add[i] = coconet::from_compute<float>(x_h_add);
-      const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
-      v_h[i] = coconet::from_compute<float>(x_h);
-      }
-    }
-    }
+    else
+      run(0, n);
   }
   trace_1.end();
   coconet::trace::Unit trace_2(2);
@@ -109,13 +102,20 @@ void tp_mlp_grad__split_overlapped(const coconet::CallArgs& a) {
     const int64_t nb = (rows + rb - 1) / rb;
     std::vector<float> part_d_b1(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
-      float* const cs_d_b1 = part_d_b1.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+      const auto l_cols = cols;
+      const auto l_rb = rb;
+      const auto l_rows = rows;
+      const auto l_v_g_h = v_g_h;
+      const auto l_v_g_h_add = v_g_h_add;
+      const auto l_v_h = v_h;
+      const auto l_v_h_add = v_h_add;
+      float* const cs_d_b1 = part_d_b1.data() + blk * l_cols;
+      for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+        for (int64_t col = 0; col < l_cols; ++col) {
+          const int64_t i = row * l_cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(l_v_g_h[i]) * (((coconet::to_compute(l_v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(l_v_h[i]) / ((coconet::to_compute(l_v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(l_v_h_add[i]))))) + coconet::to_compute(l_v_h_add[i]) * (std::exp(coconet::to_compute(l_v_h_add[i]) * coconet::to_compute(l_v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          l_v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
           cs_d_b1[col] += x_g_h_add;
         }
       }
