@@ -149,7 +149,6 @@ class CpuLoops:
             lines = pointwise.values(self.idx, items, {}, lambda name: (t, base),
                                      lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype)
             return "\n      ".join(lines)
-        store = stores()
         self.w.emit("{")
         for line in self.idx.loop_head(t, needs_coords):
             self.w.emit(f"  {line}")
@@ -160,16 +159,16 @@ class CpuLoops:
             self.w.emit("    COCONET_IVDEP")
             self.w.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
             self.w.emit("      const int64_t i = b0 + j;")
-            self.w.emit(f"      {store}")
+            self.w.emit(f"      {stores()}")
             self.w.emit("    }")
             self.w.emit("  }")
         else:
             # the elements from lo to hi, run on all of them, or in blocks of kParallelMin elements
             # on the loop threads (runtime_cpp/coconet/loop_pool.h) for large loops when cores are
-            # left over. Its operands are read into locals first (closure_locals): a Let the
-            # lambda captures has its address taken, and a float one may then be any float
-            # store's target, so a loop in the enclosing function reloaded it every element (a
-            # dropout's rate: its threshold and scale computed again each time; not vectorized)
+            # left over: one copy, its operands read into locals first (closure_locals). (With a
+            # serial copy in the enclosing function beside the threads' lambda, GCC vectorized
+            # neither copy of a dropout loop: "control flow in loop"; the rate's Let is the
+            # lambda's capture there, its address taken.)
             self.w.emit(f"  const int64_t n = {n};")
             self.w.emit("  auto run = [&](int64_t lo, int64_t hi) {")
             with self.w.closure_locals("    "):
@@ -196,14 +195,9 @@ class CpuLoops:
             self.row_runs(t, "lo", "hi", [store])
         else:
             self.w.emit(f"{pad}COCONET_IVDEP")
-            self._for(t, store, False, "lo", "hi")
-
-    def _for(self, t: TType, store: str, needs_coords: bool, lo: str = "0", hi: str = "n") -> None:
-        self.w.emit(f"  for (int64_t i = {lo}; i < {hi}; ++i) {{")
-        if needs_coords:
-            self.coords(t)
-        self.w.emit(f"    {store}")
-        self.w.emit("  }")
+            self.w.emit("  for (int64_t i = lo; i < hi; ++i) {")
+            self.w.emit(f"    {store}")
+            self.w.emit("  }")
 
     def row_runs(self, t: TType, lo: str, hi: str, body: list[str]) -> None:
         self.open_row_runs(t, lo, hi)
