@@ -172,11 +172,14 @@ def _next_to_reader(p: Program, order: list[Stage]) -> list[Stage]:
     this). Not a value the program returns or writes in place."""
     kept = {x for _, x in p.outputs + p.updates}
     out = list(order)
-    for s in order:
+    for s in reversed(order):  # (the last first: a chain of them ends next to its reader together)
         users = p.users(s.name)
         if (s.name in kept or len(users) != 1 or not _pointwise_compute(p, s)
                 or not _pointwise_compute(p, users[0]) or users[0].type != s.type):
             continue
+        between = out[out.index(s) + 1:out.index(users[0])]
+        if all(_pointwise_compute(p, x) and x.type == s.type for x in between):
+            continue  # in one loop with its reader already
         out.remove(s)
         out.insert(out.index(users[0]), s)
     return out
