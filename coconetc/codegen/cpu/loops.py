@@ -166,9 +166,9 @@ class CpuLoops:
             # the elements from lo to hi, run on all of them, or in blocks of kParallelMin elements
             # on the loop threads (runtime_cpp/coconet/loop_pool.h) for large loops when cores are
             # left over: one copy, its operands read into locals first (closure_locals). (With a
-            # serial copy in the enclosing function beside the threads' lambda, GCC vectorized
-            # neither copy of a dropout loop: "control flow in loop"; the rate's Let is the
-            # lambda's capture there, its address taken.)
+            # serial copy in the enclosing function beside the threads' lambda, GCC did not
+            # vectorize the serial copy of a dropout loop, "control flow in loop"; the rate's Let
+            # is the lambda's capture there, its address taken.)
             self.w.emit(f"  const int64_t n = {n};")
             self.w.emit("  auto run = [&](int64_t lo, int64_t hi) {")
             with self.w.closure_locals("    "):
