@@ -48,7 +48,7 @@ class Indexing:
     def __init__(self, w: Writer, segment: str):
         self.w = w
         self.segment = segment
-        self.rates: list[str] = []  # the rates of the dropouts rendered since unswitch_dropout began
+        self.rates: list[str] | None = None  # inside unswitch_dropout: the rates of the dropouts rendered
         self.rate_zero = False  # render a dropout as its input (its rate is 0: unswitch_dropout)
 
     def unswitch_dropout(self, pad: str, render: Callable[[], None]) -> None:
@@ -58,21 +58,21 @@ class Indexing:
         without drawing its numbers (torch's dropout at p = 0 is a copy; the draws cost 2.8 ns
         an element vectorized here, 12 not). RENDER runs twice: it declares nothing used after it."""
         start, outer = len(self.w.lines), self.rates
-        self.rates = []
-        with self.w.saved_consts():
-            render()
-        rates, self.rates = self.rates, outer
-        if not rates:
-            return
-        drawn = self.w.lines[start:]
-        del self.w.lines[start:]
-        self.rate_zero = True
+        rates: list[str] = []
+        self.rates = rates
         try:
+            with self.w.saved_consts():
+                render()
+            if not rates:
+                return
+            drawn = self.w.lines[start:]
+            del self.w.lines[start:]
+            self.rate_zero = True
             with self.w.saved_consts():
                 self.w.emit(f"{pad}if ({' && '.join(f'{r} == 0.0' for r in rates)}) {{  // dropout at rate 0: its input")
                 render()
         finally:
-            self.rate_zero = False
+            self.rates, self.rate_zero = outer, False
         self.w.emit(f"{pad}}} else {{")
         self.w.lines += drawn
         self.w.emit(f"{pad}}}")
@@ -155,7 +155,7 @@ class Indexing:
             gidx = self.simple_global_index(t) or self.global_index(t)
             xs = emit(x, load, extra)
             ps = literal(p.value, "f64") if isinstance(p, Const) else f"double({emit(p, load)})"
-            if not isinstance(p, Const):
+            if not isinstance(p, Const) and self.rates is not None:
                 if ps not in self.rates:
                     self.rates.append(ps)
                 if self.rate_zero:

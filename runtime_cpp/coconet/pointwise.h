@@ -194,10 +194,9 @@ COCONET_HD inline void softmax_row(const T* xr, int64_t H, T* yr) {
     for (int64_t j = 0; j < H; ++j) m = max_step(m, f(j));
     return m;
   };
-  const auto total = [&](auto f) { return RowLoop<C>{H}.sum(f); };
-  const auto each = [&](auto f) {
-    for (int64_t j = 0; j < H; ++j) f(j);
-  };
+  const RowLoop<C> row{H};
+  const auto total = [&](auto f) { return row.sum(f); };
+  const auto each = [&](auto f) { row.each(f); };
   softmax_of<C>([&](int64_t j) { return to_compute(xr[j]); }, largest, total, each,
                 [&](int64_t j, C v) { yr[j] = from_compute<T>(v); });
 }
