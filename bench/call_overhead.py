@@ -1,6 +1,8 @@
 """The fixed cost of one call of a compiled module: examples/adam.ccn at N = 1, so that the
 time is the Python side (argument checks, the cross-rank agreement at the call's entry, the
-watchdog) plus the runtime's own collectives, not the arithmetic.
+watchdog) plus the runtime's own collectives, not the arithmetic: calls with the same buffers
+each time (an optimizer's step: the hot path) and with new buffers of the same shapes (a layer
+called with each step's activations: the warm path).
 
 Run: python bench/call_overhead.py [--ranks 2] [--reps 2000]
 It relaunches itself under mpiexec; rank 0 prints a table of medians and minimums over
@@ -63,6 +65,15 @@ def _adam(mod, sched: str, comm, n: int):
     return lambda: mod.adam(schedule=sched, **args)
 
 
+def _adam_new(mod, comm, n: int, torch_tensors: bool):
+    """adam(default) with new buffers of the same shapes each call (a layer called with each
+    step's activations): the sets of buffers made beforehand, more than a function remembers."""
+    make = (lambda: __import__("torch").ones(n)) if torch_tensors else (lambda: np.ones(n, np.float32))
+    sets = [{k: make() for k in "gwmv"} for _ in range(100)]
+    it = iter(range(1 << 62))
+    return lambda: mod.adam(**sets[next(it) % len(sets)], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1.0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
@@ -84,6 +95,12 @@ def main() -> int:
             ("MPI barrier", _per_call(comm, comm.Barrier, a.reps))]
     for sched in ("default", "zero", "fused"):
         rows.append((f"adam(schedule={sched!r}), N = {a.n}", _per_call(comm, _adam(mod, sched, comm, a.n), a.reps)))
+    rows.append((f"adam(), N = {a.n}, new arrays each call", _per_call(comm, _adam_new(mod, comm, a.n, False), a.reps)))
+    try:
+        rows.append((f"adam(), N = {a.n}, new CPU tensors each call",
+                     _per_call(comm, _adam_new(mod, comm, a.n, True), a.reps)))
+    except ImportError:
+        pass
     if comm.Get_rank() == 0:
         where = str(Path(coconetc.__file__).resolve().parent.parent)
         width = max(len(n) for n, _ in rows)

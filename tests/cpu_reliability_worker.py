@@ -200,11 +200,24 @@ def check_repeated_call_scalar_differs(fn, rank, size, comm):
     return None
 
 
+def check_warm_call_alias_on_rank1_only(fn, rank, size, comm):
+    """After an agreed call, new buffers of the same shapes take the warm path (fastpath.py);
+    where rank 1's overlap, every rank raises, naming rank 1, and touches nothing; then new
+    buffers on every rank compute what the interpreter does."""
+    fn(schedule="zero", **_inputs(rank, size, "zero"))
+    why = check_alias_on_rank1_only(fn, rank, size, comm)
+    if why:
+        return why
+    if not fn.recent.warm:
+        return f"rank {rank}: no call was remembered for the warm path"
+    return check_still_in_step(fn, rank, size, comm)
+
+
 CALL_CHECKS = [check_scalar_differs, check_scalar_differs_in_last_bit, check_schedule_differs,
                check_groups_differ, check_same_buffer_twice, check_view_of_another,
                check_alias_on_rank1_only, check_torch_views_alias, check_leaf_requires_grad,
                check_no_grad_updates_and_bumps_version, check_still_in_step,
-               check_repeated_call_scalar_differs]
+               check_repeated_call_scalar_differs, check_warm_call_alias_on_rank1_only]
 
 
 def mode_calls(comm, files) -> int:

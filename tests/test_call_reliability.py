@@ -62,7 +62,7 @@ def _launch(capfd, ranks: int, mode: str, files, timeout: float, env: dict | Non
 CALL_CHECKS = ["scalar_differs", "scalar_differs_in_last_bit", "schedule_differs", "groups_differ",
                "same_buffer_twice", "view_of_another", "alias_on_rank1_only", "torch_views_alias",
                "leaf_requires_grad", "no_grad_updates_and_bumps_version", "still_in_step",
-               "repeated_call_scalar_differs"]
+               "repeated_call_scalar_differs", "warm_call_alias_on_rank1_only"]
 
 
 def test_wrong_calls_raise_on_every_rank(built, capfd):
@@ -304,6 +304,67 @@ def test_a_call_parses_its_label_once(built, monkeypatch):
     assert seen == ["zero@p2p"]  # the hot path: the same buffers as an agreed call
     with pytest.raises(ValueError, match="unknown fused-collective algorithm 'nope'"):
         built.adam(schedule="zero@nope", **a, **scalars)
+
+
+def test_new_buffers_like_an_agreed_calls_take_the_warm_path(built, monkeypatch):
+    """A call with new buffers of an agreed call's kinds, shapes and dtypes (a layer called with
+    each step's activations) skips the full checks (fastpath.warm_check) and computes what the
+    interpreter does; buffers that overlap, a read-only array it would update, a tensor that
+    requires grad updated with grad on or another shape are not taken: the full path raises as
+    always, touching nothing, or runs."""
+    torch = _torch()
+    from coconetc.interp.interpreter import run
+    from coconetc.runtime import module
+    entered: list = []
+    real = module.enter
+    monkeypatch.setattr(module, "enter", lambda *a, **k: entered.append(1) or real(*a, **k))
+    want = lambda a: run(built.adam.schedules["zero"], [{k: _numpy(v) if not isinstance(v, float) else v
+                                                          for k, v in a.items()}])[0].updates
+    built.adam(schedule="zero", **_args(seed=10))
+    for seed, kind in ((11, np.asarray), (12, torch.from_numpy)):
+        a = {k: kind(v) if not isinstance(v, float) else v for k, v in _args(seed=seed).items()}
+        expect, entered[:] = want(a), []
+        built.adam(schedule="zero", **a)
+        if kind is np.asarray:  # (torch tensors: a call with other kinds than the one remembered)
+            assert entered == [], "new arrays of the same shapes took the full path"
+        for k in "wmv":
+            np.testing.assert_allclose(_numpy(a[k]), expect[k], rtol=2e-4, atol=1e-5, err_msg=k)
+    entered[:] = []
+    built.adam(schedule="zero", **{**_args(seed=13), **{k: torch.from_numpy(v) for k, v in _args(13).items()
+                                                        if not isinstance(v, float)}})
+    assert entered == [], "new tensors like the last call's took the full path"
+
+    def refused(change, err, match, kind=np.asarray, grad=False):
+        """CHANGE made to arguments of KIND right after a good call with arguments like them (so
+        the warm path is tried: under no_grad, with w requiring grad, when GRAD)."""
+        good = {k: kind(v) if not isinstance(v, float) else v for k, v in _args(seed=16).items()}
+        with torch.no_grad():
+            if grad:
+                good["w"].requires_grad_()
+            built.adam(schedule="zero", **good)
+        a = {k: kind(v) if not isinstance(v, float) else v for k, v in _args(seed=14).items()}
+        change(a)
+        before = {k: _numpy(v) for k, v in a.items() if not isinstance(v, float)}
+        entered[:] = []
+        with pytest.raises(err, match=match):
+            built.adam(schedule="zero", **a)
+        assert entered == [1]  # the full path, which says why
+        for k, v in before.items():
+            np.testing.assert_array_equal(_numpy(a[k]), v, err_msg=k)
+    buf = np.ones(2 * N, np.float32)
+    refused(lambda a: a.update(m=buf[:N], v=buf[N - 1:2 * N - 1]), ValueError, "'m' and 'v' overlap")
+    tbuf = torch.ones(2 * N)
+    refused(lambda a: a.update(m=tbuf[:N], v=tbuf[N - 1:2 * N - 1]), ValueError, "'m' and 'v' overlap",
+            kind=torch.from_numpy)
+    refused(lambda a: a["w"].setflags(write=False), ValueError, "'w' is updated in place but is read-only")
+    refused(lambda a: a["w"].requires_grad_(), RuntimeError, "'w': a leaf Variable that requires grad",
+            kind=torch.from_numpy, grad=True)
+    a = _args(seed=15)
+    a.update({k: np.ascontiguousarray(np.resize(a[k], N + 2)) for k in "gwmv"})
+    expect, entered[:] = want(a), []
+    built.adam(schedule="zero", **a)
+    assert entered == [1]
+    np.testing.assert_allclose(a["w"], expect["w"], rtol=2e-4, atol=1e-5)
 
 
 # --- the exception hook, installed by `import coconetc` in MPI jobs only ----------------------------

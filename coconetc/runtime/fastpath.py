@@ -4,7 +4,13 @@ NumPy arrays or CPU tensors are compared with the remembered ones (identity, sha
 dtype, flags or storage), the scalars packed with one struct, and the ranks exchange one
 64-byte record (the digest of the agreed configuration and the scalars' bits) over a
 persistent allgather (agree.Channel); any difference sends every rank through the full checks
-and exchange (call.py). Its speed matters (bench/call_overhead.py): add no work here. Under
+and exchange (call.py). The warm path: a call that passes new buffers of the same kinds,
+shapes, strides and dtypes as the function's last remembered call on this thread (a layer of a
+model, called with each step's new activations) checks each buffer against that call's
+(warm_check: what the full check of a buffer would find, without making NumPy views), that no
+two overlap, and agrees in the same 64-byte round (the same configuration digest: the same
+shapes on every rank); anything else, or any doubt, takes the full path, which says what is
+wrong. Their speed matters (bench/call_overhead.py): add no work here. Under
 COCONET_CHECK_REPLICATED (call.check_replicated, read once per process) no call is given a hot
 path, nor repeat's: every call is checked in full, its description carrying its replicated
 tensors' digests (a remembered call holds its buffers weakly and its scalars only)."""
@@ -65,6 +71,7 @@ class RecentCall:
     run: Any = None  # the module function and its CallArgs, set by the call remembered (outside a batch)
     args: Any = None
     hot: Hot | None = None  # the CPU module's hot path's precomputed checks (NumPy arrays and scalars only)
+    out_shapes: Any = None  # (sizes, ((local shape, dtype) of each output)): the hot paths' outputs at those sizes
     kinds: tuple = field(init=False)  # (name, is integer) of each scalar
 
     def __post_init__(self) -> None:
@@ -96,6 +103,12 @@ class Hot:
     limit: float
     channel: Any
     outputs: tuple  # (shape, dtype) of each output array
+    # the warm path's: each tensor parameter, in order, as (name, its type, shape, strides,
+    # dtype, writeable (an array) or requires_grad (a tensor), bytes); the communicator's handle
+    # as the module takes it; the module function's number for the schedule's fused algorithm
+    signature: tuple = ()
+    c_comm: int = 0
+    fused: int = 0
 
 
 def ident(v: Any) -> tuple | None:
@@ -157,6 +170,8 @@ class Recent:
     def __init__(self, names: tuple):
         self.names = names  # the tensor parameters (every schedule of a program has its parameters)
         self.calls: dict[tuple, Any] = {}
+        # the warm path's: (thread, schedule, keywords) -> the last call remembered with a Hot
+        self.warm: dict[tuple, Any] = {}
 
     def slot(self, schedule, kwargs: dict, *extra) -> tuple:
         """Where a call with these buffers is kept (hashing EXTRA may raise TypeError)."""
@@ -221,7 +236,12 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, p: Program, label: S
             pack=struct.Struct("<" + "".join(PACK[q.type.dtype][1:] for q in p.params if q.scalar)),
             floats_only=not any(i for _, i in rec.kinds), what=what,
             timeout_raw=rec.timeout_raw, limit=timeout, channel=agree.channel(comm),
-            outputs=(gs, comm.Get_rank() % gs, outs) if outs else ())
+            outputs=(gs, comm.Get_rank() % gs, outs) if outs else (),
+            signature=tuple((k, type(v), v.shape, v.strides, v.dtype, v.flags.writeable, v.nbytes) if type(v) is np.ndarray
+                            else (k, type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad,
+                                  v.numel() * v.element_size()) for k, v in tensors),
+            c_comm=MPI._handleof(comm), fused=label.code)
+        fn.recent.warm[(threading.get_ident(), schedule, tuple(kwargs))] = rec
     return rec
 
 
@@ -245,6 +265,50 @@ def hot_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None
         return hot_scalars(hot, kwargs, vals)
     except (OverflowError, struct.error):
         return None  # out of range: the general path rounds it as NumPy does, or says why
+
+
+def warm_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, list, bytes] | None:
+    """(the tensors' addresses, the scalars, their record bits) when the call passes buffers of
+    the kinds, shapes, strides, dtypes and flags of the call `hot` was made for (new ones: each
+    checked as the full path would, without a NumPy view of a tensor), no two overlapping, on the
+    same communicator and groups, with scalars of the plain Python types; None otherwise (the
+    general path runs, and says what is wrong)."""
+    if (comm if comm is not None else hot.world) is not hot.comm or hot.comm.py2f() != hot.handle \
+            or type(groups) is not int or groups != hot.groups or len(kwargs) != hot.nkw \
+            or agree.timeout_raw() != hot.timeout_raw:
+        return None
+    ptrs: list[int] = []
+    spans = []
+    for name, kind, shape, strides, dtype, flag, nbytes in hot.signature:
+        v = kwargs.get(name)
+        if type(v) is not kind:
+            return None
+        if kind is np.ndarray:
+            if v.shape != shape or v.strides != strides or v.dtype is not dtype or v.flags.writeable != flag:
+                return None
+            ptr = v.ctypes.data
+        else:
+            if v.shape != shape or v.stride() != strides or v.dtype is not dtype or v.requires_grad != flag \
+                    or not v.is_cpu or v.is_neg():
+                return None
+            ptr = v.data_ptr()
+        ptrs.append(ptr)
+        if nbytes:
+            spans.append((ptr, ptr + nbytes))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            return None  # two buffers overlap: the full check names them
+    if hot.grad_check:
+        import torch
+        if torch.is_grad_enabled():
+            return None
+    vals: list = []
+    try:
+        got = hot_scalars(hot, kwargs, vals)
+    except (OverflowError, struct.error):
+        return None
+    return None if got is None else (ptrs, got[0], got[1])
 
 
 def hot_scalars(hot: Hot, kwargs: dict, vals: list) -> tuple[list, bytes] | None:
@@ -275,9 +339,28 @@ def hot_torch(hot: Hot, kwargs: dict) -> bool:
     return True
 
 
+def run_warm(ext: Any, rec: RecentCall, hot: Hot, ptrs: list, vals: list, kwargs: dict):
+    """Runs the module function of an agreed warm call (warm_check's PTRS and VALS) on
+    arguments of its own (a batch holds them until it runs)."""
+    args = ext.CallArgs()
+    args.tensors = ptrs
+    args.seg_ptrs = [[] for _ in ptrs]
+    args.sizes = [rec.sizes[s] for s in sorted(rec.sizes)]
+    args.comm, args.groups, args.fused = hot.c_comm, hot.groups, hot.fused
+    if shm.WINDOWS:
+        args.windows = shm.WINDOWS
+    return _run(ext, rec.run, args, rec, hot, vals, kwargs)
+
+
 def run_hot(ext: Any, fast: RecentCall, hot: Hot, vals: list, kwargs: dict):
     """Runs the module function of an agreed repeated call (the hot path of __call__)."""
     args = fast.args
+    if fast.windows != len(shm.WINDOWS):
+        args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
+    return _run(ext, fast.run, args, fast, hot, vals, kwargs)
+
+
+def _run(ext: Any, run: Any, args: Any, fast: RecentCall, hot: Hot, vals: list, kwargs: dict):
     if hot.floats_only:
         args.scalars = vals
     else:
@@ -285,13 +368,14 @@ def run_hot(ext: Any, fast: RecentCall, hot: Hot, vals: list, kwargs: dict):
         args.iscalars = [int(v) if i else 0 for v, (_, i) in zip(vals, hot.scalars)]
     outs = None
     if hot.outputs:
-        gs, rank, types = hot.outputs
-        sizes = fast.sizes
-        outs = [np.empty(local_shape(t, sizes, gs, rank), dtype=dt) for t, dt in types]
+        shapes = fast.out_shapes
+        if shapes is None or shapes[0] is not fast.sizes:  # once per agreement of its sizes
+            gs, rank, types = hot.outputs
+            shapes = fast.out_shapes = (fast.sizes, tuple((local_shape(t, fast.sizes, gs, rank), dt)
+                                                          for t, dt in types))
+        outs = [np.empty(shape, dtype=dt) for shape, dt in shapes[1]]
         args.outputs = [o.ctypes.data for o in outs]
-    if fast.windows != len(shm.WINDOWS):
-        args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
-    batch.invoke(ext, fast.run, args)
+    batch.invoke(ext, run, args)
     if hot.torch_updated:
         import torch
         torch.autograd.graph.increment_version([kwargs[n] for n in hot.torch_updated])
