@@ -171,8 +171,8 @@ class Layer:
             g = grads.get(f"d_{n}")
             if g is None:
                 continue
-            if t.grad is None:
-                t.grad = g.to(t.dtype).reshape(t.shape).clone()
+            if t.grad is None:  # the call's new output, which nothing else holds, taken as it is
+                t.grad = g.reshape(t.shape) if g.dtype == t.dtype else g.to(t.dtype).reshape(t.shape)
             else:
                 t.grad += g.reshape(t.shape)
 
