@@ -318,8 +318,9 @@ def test_new_buffers_like_an_agreed_calls_take_the_warm_path(built, monkeypatch)
     entered: list = []
     real = module.enter
     monkeypatch.setattr(module, "enter", lambda *a, **k: entered.append(1) or real(*a, **k))
-    want = lambda a: run(built.adam.schedules["zero"], [{k: _numpy(v) if not isinstance(v, float) else v
-                                                          for k, v in a.items()}])[0].updates
+    def want(a: dict) -> dict:
+        return run(built.adam.schedules["zero"], [{k: _numpy(v) if not isinstance(v, float) else v
+                                                   for k, v in a.items()}])[0].updates
     built.adam(schedule="zero", **_args(seed=10))
     for seed, kind in ((11, np.asarray), (12, torch.from_numpy)):
         a = {k: kind(v) if not isinstance(v, float) else v for k, v in _args(seed=seed).items()}

@@ -277,10 +277,27 @@ def warm_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, list, bytes]
             or type(groups) is not int or groups != hot.groups or len(kwargs) != hot.nkw \
             or agree.timeout_raw() != hot.timeout_raw:
         return None
+    ptrs = _warm_buffers(hot, kwargs)
+    if ptrs is None:
+        return None
+    if hot.grad_check:
+        import torch
+        if torch.is_grad_enabled():
+            return None
+    vals: list = []
+    try:
+        got = hot_scalars(hot, kwargs, vals)
+    except (OverflowError, struct.error):
+        return None
+    return None if got is None else (ptrs, got[0], got[1])
+
+
+def _warm_buffers(hot: Hot, kwargs: dict) -> list[int] | None:
+    """The tensors' addresses, when each is like the remembered one and no two overlap."""
     ptrs: list[int] = []
     spans = []
     for name, kind, shape, strides, dtype, flag, nbytes in hot.signature:
-        v = kwargs.get(name)
+        v: Any = kwargs.get(name)
         if type(v) is not kind:
             return None
         if kind is np.ndarray:
@@ -299,16 +316,7 @@ def warm_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, list, bytes]
     for (_, end), (start, _) in zip(spans, spans[1:]):
         if start < end:
             return None  # two buffers overlap: the full check names them
-    if hot.grad_check:
-        import torch
-        if torch.is_grad_enabled():
-            return None
-    vals: list = []
-    try:
-        got = hot_scalars(hot, kwargs, vals)
-    except (OverflowError, struct.error):
-        return None
-    return None if got is None else (ptrs, got[0], got[1])
+    return ptrs
 
 
 def hot_scalars(hot: Hot, kwargs: dict, vals: list) -> tuple[list, bytes] | None:

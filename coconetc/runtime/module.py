@@ -192,10 +192,10 @@ class ProgramFunction:
         if warm is not None and warm.config is not None and warm.run is not None and trace.active() is None:
             # the warm path: new buffers like an agreed call's; the same round of 64 bytes
             hot = warm.hot
-            got = warm_check(hot, comm, groups, kwargs)
-            if got is not None:
-                if hot.channel.agreed(warm.config, got[2], groups, hot.what, hot.limit, time.monotonic()):
-                    return run_warm(self.ext, warm, hot, got[0], got[1], kwargs)
+            new = warm_check(hot, comm, groups, kwargs)
+            if new is not None:
+                if hot.channel.agreed(warm.config, new[2], groups, hot.what, hot.limit, time.monotonic()):
+                    return run_warm(self.ext, warm, hot, new[0], new[1], kwargs)
                 return self._call(schedule, comm, groups, kwargs, True)
         return self._call(schedule, comm, groups, kwargs, False)
 
