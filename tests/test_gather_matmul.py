@@ -13,7 +13,10 @@ reads, each chunk multiplied as soon as it has arrived while the next is in flig
 - a batched matmul as the producer of an overlap (the usual way): chunks of whole batches;
 - a weight sliced over the ranks and gathered where it is used (FSDP: the matmul's right
   operand), cut along its rows; its derived program's weight gradient (matmul_tn) overlapped
-  with its reduce-scatter."""
+  with its reduce-scatter;
+- a model of such layers (a repeat) whose weight gathers a schedule's prefetch(depth=d) starts d
+  gathers ahead (the compiled runs above, each schedule: fsdp_model); bad prefetches are
+  located errors."""
 
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["d
             "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"], "fed": ["default", "both"],
             "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"],
             "fsdp": ["default", "pieces", "cols"], "fsdp_grad": ["default", "both", "cols"], "fsdp_cols": ["default", "rows"],
-            "fsdp_cols_grad": ["default", "both"], "bcw": ["default", "rows"]}
+            "fsdp_cols_grad": ["default", "both"], "bcw": ["default", "rows"],
+            "fsdp_model": ["default", "next", "one", "ov"], "fsdp_model_grad": ["default", "next"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
     3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
@@ -92,6 +96,81 @@ def test_the_plan_shows_how_each_gather_is_cut():
         assert text in got, got
     res = _cli("show", str(FILE), "-p", "fsdp", "--grad", "-s", "both", "--format", "plan")  # as a user asks
     assert res.returncode == 0 and want[("fsdp_grad", "both")] in res.stdout, res.stdout + res.stderr
+
+
+def _starts_and_waits(plan) -> list[tuple[str, str]]:
+    from coconetc.plan.units import Collective, StartGather
+    return [("start", u.gather.dst) if isinstance(u, StartGather) else ("wait" if u.prefetched else "gather", u.dst)
+            for u in plan.units if isinstance(u, StartGather) or isinstance(u, Collective) and u.op == "allgather"]
+
+
+def test_prefetch_starts_each_weight_gather_depth_gathers_ahead():
+    """prefetch(depth=d): the k-th weight gather starts right after the (k-d)-th is waited for
+    (the first d at the start), what makes its source (the layer's index of the stacked weight)
+    moved with it, and is waited for where it stood; a gather overlapped with its matmul is left
+    to the overlap; the derived program's gathers too."""
+    mod = load_file(FILE)
+    gathers = [f"y__l{k}__w{j}g" for k in range(3) for j in (1, 2)]
+
+    def expected(depth: int, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+        mine = [g for g in gathers if g not in skip]
+        out = [("start", g) for g in mine[:depth]]
+        for g in gathers:
+            if g in skip:  # (a GatherMatmul unit: no gather of its own)
+                continue
+            out.append(("wait", g))
+            i = mine.index(g)
+            if i + depth < len(mine):
+                out.append(("start", mine[i + depth]))
+        return out
+    assert _starts_and_waits(mod.plans[("fsdp_model", "one")]) == expected(1)
+    assert _starts_and_waits(mod.plans[("fsdp_model", "next")]) == expected(2)
+    assert _starts_and_waits(mod.plans[("fsdp_model_grad", "next")]) == expected(2)
+    assert _starts_and_waits(mod.plans[("fsdp_model", "ov")]) == expected(3, skip=("y__l1__w1g",))
+    assert all(kind == "gather" for kind, _ in _starts_and_waits(mod.plans[("fsdp_model", "default")]))
+    plan = mod.plans[("fsdp_model", "one")]
+    names = [getattr(u, "dst", "") for u in plan.units]
+    from coconetc.plan.units import StartGather
+    starts = [i for i, u in enumerate(plan.units) if isinstance(u, StartGather)]
+    for i in starts:  # the layer's weight is taken from the stacked one before its gather starts
+        assert plan.units[i].gather.src in names[:i], (plan.units[i], names[:i])
+    assert names[starts[2] - 1] == "y__l1__w1", names  # (moved there: a layer ahead of its own)
+    from coconetc.plan.show import show as show_plan
+    text = show_plan(plan)
+    assert "start y__l1__w1g = allgather(y__l1__w1) (prefetch: in flight until its wait below)" in text, text
+    assert "collective y__l1__w1g = allgather(y__l1__w1) (prefetched: waits for its start above)" in text, text
+
+
+PREFETCH_BAD = """
+program q(x: f32[T, K] sliced(0), w: f32[K, N] sliced(0), u: f32[K, N] replicated) {
+    wg = allgather(w)
+    y = matmul(x, wg)
+    return y
+}
+program r(x: f32[T, K] sliced(0), u: f32[K, N] replicated) {
+    y = matmul(x, u)
+    return y
+}
+"""
+
+
+@pytest.mark.parametrize("directive, where, message", [
+    ("prefetch(depth=0)", "0)", "prefetch()'s depth must be an integer >= 1"),
+    ("prefetch(depth=2)\n    prefetch(depth=1)", "prefetch(depth=1)", "q's schedule already prefetches (depth=2)"),
+    ("prefetch(wg, depth=1)", "prefetch(wg", "prefetch() takes no stage names"),
+    ("prefetch(depth=1, chunks=2)", "chunks=2)", "prefetch() has no argument 'chunks'"),
+])
+def test_bad_prefetches_are_located_errors(directive, where, message):
+    _refused_at(PREFETCH_BAD, directive, where, message)
+
+
+def test_a_program_without_weight_gathers_cannot_prefetch():
+    src = PREFETCH_BAD + "schedule s for r {\n    prefetch(depth=1)\n}\n"
+    with pytest.raises(CompileError) as err:
+        load_source(src, "t.ccn")
+    d = err.value.diagnostics[0]
+    assert "prefetch(): r gathers no weight to start early" in d.message, d.message
+    assert src.splitlines()[d.span.line - 1][d.span.col - 1:].startswith("prefetch"), d.span
 
 
 BAD = """

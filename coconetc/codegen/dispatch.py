@@ -13,7 +13,7 @@ from typing import Protocol
 from coconetc.codegen.base import Function, Writer, prod
 from coconetc.codegen.emit import CTYPE
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Reduce, Require,
-                                 Unit, title)
+                                 StartGather, Unit, title)
 
 
 def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None],
@@ -107,6 +107,7 @@ class Renderer(Protocol):
     def fused(self, u: Fused) -> None: ...
     def overlap(self, u: Overlap) -> None: ...
     def gather_matmul(self, u: GatherMatmul) -> None: ...
+    def start_gather(self, u: StartGather) -> None: ...
 
 
 def unit(w: Writer, r: Renderer, u: Unit) -> None:
@@ -130,6 +131,8 @@ def unit(w: Writer, r: Renderer, u: Unit) -> None:
         r.fused(u)
     elif isinstance(u, GatherMatmul):
         r.gather_matmul(u)
+    elif isinstance(u, StartGather):
+        r.start_gather(u)
     else:
         assert isinstance(u, Overlap)
         r.overlap(u)

@@ -111,6 +111,7 @@ class Program:
     updates: tuple[tuple[str, str], ...] = ()
     fusions: tuple[Fusion, ...] = ()
     overlaps: tuple[Overlap, ...] = ()
+    prefetch: int = 0  # a schedule's prefetch(depth=d): how far ahead weight gathers start (0: none)
     span: Span = field(default=NOWHERE, compare=False)
 
     def param(self, name: str) -> Param | None:

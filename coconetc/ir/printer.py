@@ -120,13 +120,15 @@ def _externs(p: Program) -> list[str]:
 
 
 def _schedule_block(p: Program) -> str:
-    if not p.fusions and not p.overlaps:
+    if not p.fusions and not p.overlaps and not p.prefetch:
         return ""
     lines = [f"schedule printed for {p.name} {{"]
     for f in p.fusions:
         lines.append(f"    {f.name} = fuse({', '.join(f.stages)})")
     for o in p.overlaps:
         lines.append(f"    overlap({o.producer}, {o.consumer}, chunks={o.chunks}, dim={o.dim})")
+    if p.prefetch:
+        lines.append(f"    prefetch(depth={p.prefetch})")
     return "\n".join(lines) + "\n}\n"
 
 

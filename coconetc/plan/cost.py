@@ -72,7 +72,7 @@ from coconetc.ir import ops
 from coconetc.ir.nodes import Ref, walk
 from coconetc.ir.types import BITS, TType, eval_dim
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Library, Loop, Overlap,
-                                 Plan, Reduce, Require, Unit)
+                                 Plan, Reduce, Require, StartGather, Unit)
 
 _NO_MEMORY = ("register", "scalar")
 
@@ -206,6 +206,8 @@ class _Counter:
             return self.overlap(u)
         if isinstance(u, GatherMatmul):
             return self.gather_matmul(u)
+        if isinstance(u, StartGather):  # (its transfer is counted at its wait, the prefetched Collective)
+            return Cost()
         if isinstance(u, Copy):
             b = self.buffer(u.src)
             n = self.nbytes(b.type) if b is not None else 0.0

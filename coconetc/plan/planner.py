@@ -20,23 +20,32 @@ from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops as registry
+from coconetc.ir.gathers import weight_gathers
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
 from coconetc.plan import attention
 from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
+from coconetc.plan.prefetch import with_prefetch
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fed_matmul,
                                            fused_spec, gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of,
                                            substitute, unfed_matmul)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap,
-                                 Phase, Plan, Reduce, Require, Term, Unit)
+                                 Phase, Plan, Reduce, Require, StartGather, Term, Unit)
 
 
 def _lower(plan: Plan, p: Program) -> Plan:
     return _Planner(p, plan.schedule).run()
+
+
+def _prefetch(plan: Plan, p: Program) -> Plan:
+    if not p.prefetch:
+        return plan
+    units = with_prefetch(list(plan.units), {b.name: b for b in plan.buffers}, p.prefetch, set(weight_gathers(p)))
+    return replace(plan, units=tuple(units))
 
 
 def _epilogues(plan: Plan, p: Program) -> Plan:
@@ -72,6 +81,8 @@ class Pass:
 PASSES: tuple[Pass, ...] = (
     Pass("lower", _lower, "the program's stages in execution order as units and buffers: the schedule's fusions, "
                           "overlaps and fed gathers, chains of row-wise stages, in-place updates"),
+    Pass("prefetch", _prefetch, "each weight's all-gather started depth weight gathers ahead (a schedule's "
+                                "prefetch), what makes its source from the parameters moved with it"),
     Pass("epilogues", _epilogues, "each GEMM or row-wise call with the loop after it that it can carry as an epilogue"),
     Pass("attention", _attention, "the causal attention chains that run as one call"),
     Pass("colsums", _colsums, "each column sum carried by the loop that writes its operand"),
@@ -108,7 +119,7 @@ def _locate(p: Program, u: Unit) -> Span:
         return next((o.span for o in p.overlaps if o.producer == u.producer), NOWHERE)
     if isinstance(u, GatherMatmul):
         return next((o.span for o in p.overlaps if o.producer == u.gather.dst), NOWHERE)
-    name = getattr(u, "dst", "")
+    name = u.gather.dst if isinstance(u, StartGather) else getattr(u, "dst", "")
     s = p.stage(name) or p.stage(_temp_owner(name))
     return s.span if s is not None else NOWHERE
 

@@ -11,7 +11,7 @@ from coconetc.plan.epilogue import BACKENDS
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
 from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
-                                 GatherMatmul, Overlap, Partials, Plan, Reduce, Require, Strategy, Unit)
+                                 GatherMatmul, Overlap, Partials, Plan, Reduce, Require, StartGather, Strategy, Unit)
 
 
 def show(plan: Plan) -> str:
@@ -123,7 +123,10 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(plan, u)})"] if u.epilogue else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {ops.shown(u.op)}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
-        return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]
+        wait = " (prefetched: waits for its start above)" if u.prefetched else ""
+        return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}{wait}"]
+    if isinstance(u, StartGather):
+        return [f"{ind}{_at(u.line)} start {u.gather.dst} = {_coll(u.gather)} (prefetch: in flight until its wait below)"]
     if isinstance(u, Copy):
         return [f"{ind}      copy {u.src} -> {u.dst} ({u.what})"]
     if isinstance(u, Require):

@@ -58,7 +58,7 @@ from coconetc.ir import ops
 from coconetc.ir.nodes import Ref, walk
 from coconetc.plan.fusion_legality import row_op
 from coconetc.plan.units import (Algorithm, Buffer, Choice, ChunkElems, Chunking, Collective, Fused, Gap, GatherAfter,
-                                 GatherMatmul, Library, Overlap, Partials, Plan, Reduce, Strategy, Unit)
+                                 GatherMatmul, Library, Overlap, Partials, Plan, Reduce, StartGather, Strategy, Unit)
 
 
 class Target(Choice):
@@ -199,6 +199,8 @@ def _collective_reads(u: Unit) -> tuple[str, ...]:
     if isinstance(u, Overlap):
         return (u.producer,)
     if isinstance(u, GatherMatmul):
+        return (u.gather.src,)
+    if isinstance(u, StartGather):
         return (u.gather.src,)
     return ()
 

@@ -153,6 +153,18 @@ class Collective:
     into: str = ""
     packed: str = ""
     line: int = 0
+    prefetched: bool = False  # started earlier (a StartGather): here it is waited for
+
+
+@dataclass(frozen=True)
+class StartGather:
+    """The start of a weight's all-gather (a schedule's prefetch(depth=d), plan/prefetch.py):
+    `gather`, a plain allgather of a parameter's slice (or of a layer of one), started here
+    without blocking and waited for at its own place (the Collective there is `prefetched`).
+    Between the two no unit writes its source or touches its result."""
+
+    gather: Collective
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -415,7 +427,7 @@ class GatherMatmul:
         return self.right and self.dim == (0 if self.gemm == "matmul" else 1)
 
 
-Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap | GatherMatmul
+Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap | GatherMatmul | StartGather
 
 
 @dataclass(frozen=True)
@@ -559,6 +571,8 @@ def _touches(u: Unit, names: set[str]) -> bool:
             (u.fused is not None and _touches(u.fused, names)) or (u.then is not None and _touches(u.then, names))
     if isinstance(u, GatherMatmul):
         return bool({u.gather.src, u.gather.dst, u.consumer, u.other} & names)
+    if isinstance(u, StartGather):
+        return _touches(u.gather, names)
     return False
 
 
@@ -572,7 +586,9 @@ def title(u: Unit, loop: str = "loop", collective: str = "") -> str:
     if isinstance(u, Library):
         return f"{shown(u.op)} {u.dst}"
     if isinstance(u, Collective):
-        return f"{u.op} {u.dst}{collective}"
+        return f"{u.op} {u.dst}{collective}" + (" (prefetched: its wait)" if u.prefetched else "")
+    if isinstance(u, StartGather):
+        return f"start {u.gather.op} {u.gather.dst}{collective} (prefetch)"
     if isinstance(u, Copy):
         return f"copy {u.src} -> {u.dst} ({u.what})"
     if isinstance(u, Require):

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import (Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap, Plan,
-                                 Reduce, Require, Unit)
+                                 Reduce, Require, StartGather, Unit)
 
 
 class PlanInvalid(AssertionError):
@@ -33,6 +33,7 @@ class _Verifier:
         self.bufs = {b.name: b for b in plan.buffers}
         self.written = {b.name for b in plan.buffers if b.kind in ("param", "segments", "scalar")}
         self.lets: set[str] = set()
+        self.started: set[str] = set()  # the gathers a StartGather started (a prefetch)
 
     def fail(self, what: str) -> None:
         raise PlanInvalid(f"plan {self.plan.program} [{self.plan.schedule}]: {what}")
@@ -70,7 +71,12 @@ class _Verifier:
         elif isinstance(u, Library):
             self.read(u.args, f"{u.op} {u.dst}")
             self.write([u.dst])
+        elif isinstance(u, StartGather):  # its source read here; its result written at its wait
+            self.read([u.gather.src], f"the start of {u.gather.op} {u.gather.dst}")
+            self.started.add(u.gather.dst)
         elif isinstance(u, Collective):
+            if u.prefetched and u.dst not in self.started:
+                self.fail(f"{u.op} {u.dst} waits for a start that no unit before it made")
             self.read([u.src], f"{u.op} {u.dst}")
             self.collective(u.op, self.type(u.src), self.type(u.dst), u.dst)
             self.write([u.dst] + ([u.packed] if u.packed else []))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.schedule.pipeline import Pipeline
+from coconetc.schedule.prefetch import Prefetch
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class OverlapD:
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
-Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline
+Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline | Prefetch
 
 
 def span_of(d: Directive, key: str) -> Span:
@@ -85,7 +87,7 @@ def _where(targets, call: syntax.Call) -> tuple[tuple[str, Span], ...]:
         spans.setdefault(k.name + "=", k.value.span)
     return tuple(spans.items())
 _ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0),
-          "pipeline": (0, 0)}
+          "pipeline": (0, 0), "prefetch": (0, 0)}
 _PIPELINE = {"stages", "microbatches", "order", "chunks", "layers", "max_activations"}
 
 
@@ -113,7 +115,7 @@ def _directive(stmt: syntax.Stmt) -> Directive:
     call = stmt.value
     if not isinstance(call, syntax.Call) or call.fn not in _ARITY:
         span = call.fn_span if isinstance(call, syntax.Call) else call.span
-        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap, pipeline")
+        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap, pipeline, prefetch")
     lo, hi = _ARITY[call.fn]
     if not lo <= len(targets) <= hi:
         want = f"{lo}" if lo == hi else f"{lo} to {hi}"
@@ -122,8 +124,9 @@ def _directive(stmt: syntax.Stmt) -> Directive:
     kws = {k.name: k for k in call.kwargs}
     outs = tuple(t.id for t in targets)
     where = _where(targets, call)
-    if call.fn == "pipeline":
-        return _pipeline(call, names, kws, stmt.span, where)
+    keywords_only = _KEYWORDS_ONLY.get(call.fn)
+    if keywords_only is not None:
+        return keywords_only(call, names, kws, stmt.span, where)
     if call.fn == "split":
         _only(call, kws, {"dim"})
         return Split(_one(names, call), _int(kws.get("dim"), call, 0), outs[0], outs[1], stmt.span, where)
@@ -171,6 +174,18 @@ def _pipeline(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg],
                     order, chunks, layers, most, span, where)
 
 
+def _prefetch(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg], span: Span,
+              where: tuple[tuple[str, Span], ...]) -> Prefetch:
+    _only(call, kws, {"depth"})
+    if names:
+        raise _err(call.span, "prefetch() takes no stage names: prefetch(depth=d) starts every weight gather d "
+                              "gathers ahead")
+    return Prefetch(_int(kws.get("depth"), call, 1), span, where)
+
+
+_KEYWORDS_ONLY: dict[str, Callable[..., Directive]] = {"pipeline": _pipeline, "prefetch": _prefetch}
+
+
 def _name(a: syntax.Expr, call: syntax.Call) -> str:
     if not isinstance(a, syntax.Name):
         raise _err(a.span, f"{call.fn}() takes stage or parameter names")
@@ -211,6 +226,8 @@ def text(d: Directive) -> str:
     if isinstance(d, Fuse):
         name = f"{d.name} = " if d.name else ""
         return f"{name}fuse({', '.join(d.stages)})"
+    if isinstance(d, Prefetch):
+        return f"prefetch(depth={d.depth})"
     if isinstance(d, Pipeline):
         args = [d.repeat] if d.repeat else []
         args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"']

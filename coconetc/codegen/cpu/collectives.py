@@ -41,6 +41,12 @@ CALLS: dispatch.Calls = {
 }
 
 
+def start_allgather(w: Writer, u: Collective) -> str:
+    """The start of an allgather as a non-blocking task (overlap.h start_allgather), on channel 1."""
+    a = Operands(w, u, u.src, False, "")
+    return f"coconet::start_allgather(v_{a.x}, v_{a.dst}, {a.join}, comm, 1);"
+
+
 def collective(w: Writer, u: Collective) -> None:
     """One collective; a source the plan packs (u.packed) is copied out of its segments first."""
     if u.packed:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Function, Writer, prod as _prod
-from coconetc.codegen.cpu.collectives import collective
+from coconetc.codegen.cpu.collectives import collective, start_allgather
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.cpu.loops import CpuLoops
 from coconetc.codegen.cpu.overlap import CpuOverlap
@@ -28,7 +28,7 @@ from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import fused_loop, residual_only
 from coconetc.ir.rng_keys import site_key
 from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
-                                 Reduce, Require, Unit)
+                                 Reduce, Require, StartGather, Unit)
 
 
 class CpuRenderer:
@@ -47,10 +47,21 @@ class CpuRenderer:
         self.colsums = fused_sums(plan.units, "cpu")  # sum_leads the loops compute (plan/colsums.py)
         self.attention = {id(plan.units[i]): (a, i == a.members[-1])
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
+        self.started: list[str] = []  # the prefetched gathers in flight (StartGather)
 
     def render(self) -> Function:
-        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check,
+        return dispatch.function(self.w, self._declare, self._top, self._reshape_check,
                                  mark="coconet::trace::Unit trace_{k}({k});")
+
+    def _top(self, u: Unit) -> None:
+        """A unit of the function's body; while prefetched gathers are in flight (started, not
+        yet waited for), each is tested after it, so that MPI moves it between the units."""
+        self.unit(u)
+        if isinstance(u, Collective) and u.prefetched:
+            self.started.remove(u.dst)
+        for name in self.started:
+            if not (isinstance(u, StartGather) and u.gather.dst == name):
+                self.w.emit(f"pf_{name}->test();  // the prefetched gather of {name}, in flight")
 
     def _reshape_check(self, u: Library) -> None:
         """A reshape's check of its sizes alone (x == y: no copy), before the units run."""
@@ -109,7 +120,18 @@ class CpuRenderer:
         self.loops.render_loop(u)
 
     def collective(self, u: Collective) -> None:
+        if u.prefetched:  # started by its StartGather: wait for it
+            self.w.emit(f"pf_{u.dst}->wait();")
+            self.w.emit(f"pf_{u.dst}.reset();")
+            return
         collective(self.w, u)
+
+    def start_gather(self, u: StartGather) -> None:
+        """A weight's all-gather started without blocking (a schedule's prefetch), on channel 1 of
+        the group (MPI matches the non-blocking collectives of a communicator in the order every
+        rank starts them, which is the plan's)."""
+        self.w.emit(f"std::unique_ptr<coconet::Task> pf_{u.gather.dst} = {start_allgather(self.w, u.gather)}")
+        self.started.append(u.gather.dst)
 
     def require(self, u: Require) -> None:
         self.w.emit(f'coconet::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '

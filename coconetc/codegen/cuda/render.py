@@ -30,7 +30,7 @@ from coconetc.ir import ops
 from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import fused_loop, residual_only
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan, Reduce,
-                                 Require, Unit)
+                                 Require, StartGather, Unit)
 
 
 class CudaRenderer:
@@ -103,6 +103,10 @@ class CudaRenderer:
 
     def gather_matmul(self, u: GatherMatmul) -> None:
         self.overlaps.render_gather_matmul(u)
+
+    def start_gather(self, u: StartGather) -> None:
+        """A prefetched weight gather: on CUDA it runs at its wait, on the call's stream (plan/prefetch.py)."""
+        self.w.emit(f"// {u.gather.dst}: gathered at its place below (a prefetch starts it early on the CPU only)")
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:

@@ -253,6 +253,448 @@ void sgd_step__default(const coconet::cuda::CallArgs& a) {
   trace_1.end();
 }
 
+// program sharded_model, schedule default (sharded_mlp.ccn)
+void sharded_model__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h");
+  float* const v_y__l0__a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a");
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = coconet::cuda::scratch<float>(7, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_y__l1__h = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h");
+  float* const v_y__l1__a = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a");
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(13, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_y__l1__y = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] allgather y__l2__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] allgather y__l2__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [default] matmul y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l2__a, v_y__l2__w2g, v_y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_20.end();
+}
+
+// program sharded_model, schedule prefetched (sharded_mlp.ccn)
+void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h");
+  float* const v_y__l0__a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a");
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = coconet::cuda::scratch<float>(7, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_y__l1__h = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h");
+  float* const v_y__l1__a = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a");
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(13, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_y__l1__y = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [prefetched] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [prefetched] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [prefetched] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [prefetched] matmul y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l2__a, v_y__l2__w2g, v_y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_26.end();
+}
+
 // program sharded_mlp_grad, schedule default (sharded_mlp.ccn)
 void sharded_mlp_grad__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
@@ -583,6 +1025,1140 @@ void sharded_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   trace_6.end();
 }
 
+// program sharded_model_grad, schedule default (sharded_mlp.ccn)
+void sharded_model_grad__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_d_y = a.tensor<float>(3);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h");
+  float* const v_y__l0__a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a");
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = coconet::cuda::scratch<float>(7, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_y__l1__h = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h");
+  float* const v_y__l1__a = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a");
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(13, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_y__l1__y = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(22, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(24, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(25, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(26, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
+  float* const v_g_w2 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
+  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(28, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
+  float* const v_g_w1 = coconet::cuda::scratch<float>(29, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(30, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(31, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(32, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
+  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
+  float* const v_g_w22 = coconet::cuda::scratch<float>(37, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
+  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(38, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
+  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(39, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
+  float* const v_g_w12 = coconet::cuda::scratch<float>(40, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(41, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(42, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(43, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(44, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(45, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
+  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(46, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(47, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
+  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(48, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] allgather y__l2__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] allgather y__l2__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [default] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [default] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [default] unindex g_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
+  // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
+  // [default] unindex g_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
+  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
+  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
+  // [default] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
+  // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
+  // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
+  // [default] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
+  // [default] unindex t0_g_w22 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
+  // [default] kernel: g_w22 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
+        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w22;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
+          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
+        }
+        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
+        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
+      }
+    });
+  }
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
+  // [default] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
+  // [default] unindex t1_g_w12 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
+  // [default] kernel: g_w12 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
+        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w12;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
+          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
+        }
+        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
+        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
+      }
+    });
+  }
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
+  // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
+  // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
+  // [default] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
+  // [default] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
+  // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
+  // [default] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
+  // [default] unindex t2_d_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
+  // [default] kernel: d_w2 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
+        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
+          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
+        }
+        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
+        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
+      }
+    });
+  }
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
+  // [default] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
+  // [default] unindex t3_d_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
+  // [default] kernel: d_w1 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
+        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w1;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
+          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
+        }
+        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
+        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
+      }
+    });
+  }
+  trace_50.end();
+}
+
+// program sharded_model_grad, schedule prefetched (sharded_mlp.ccn)
+void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_d_y = a.tensor<float>(3);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h");
+  float* const v_y__l0__a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a");
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = coconet::cuda::scratch<float>(7, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_y__l1__h = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h");
+  float* const v_y__l1__a = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a");
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(13, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_y__l1__y = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(22, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(24, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(25, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(26, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
+  float* const v_g_w2 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
+  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(28, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
+  float* const v_g_w1 = coconet::cuda::scratch<float>(29, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(30, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(31, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(32, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
+  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
+  float* const v_g_w22 = coconet::cuda::scratch<float>(37, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
+  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(38, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
+  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(39, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
+  float* const v_g_w12 = coconet::cuda::scratch<float>(40, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(41, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(42, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(43, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(44, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(45, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
+  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(46, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(47, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
+  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(48, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [prefetched] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [prefetched] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [prefetched] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [prefetched] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
+  // [prefetched] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
+  // [prefetched] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
+  // [prefetched] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
+  // [prefetched] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
+  // [prefetched] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
+  // [prefetched] unindex g_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
+  // [prefetched] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
+  // [prefetched] unindex g_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
+  // [prefetched] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
+  // [prefetched] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
+  // [prefetched] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
+  // [prefetched] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
+  // [prefetched] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
+  // [prefetched] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
+  // [prefetched] unindex t0_g_w22 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
+  // [prefetched] kernel: g_w22 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
+        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w22;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
+          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
+        }
+        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
+        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
+      }
+    });
+  }
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
+  // [prefetched] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
+  // [prefetched] unindex t1_g_w12 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
+  // [prefetched] kernel: g_w12 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
+        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w12;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
+          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
+        }
+        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
+        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
+      }
+    });
+  }
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
+  // [prefetched] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
+  // [prefetched] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
+  // [prefetched] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
+  // [prefetched] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_49.end();
+  coconet::cuda::trace::Unit trace_50(50, stream);
+  // [prefetched] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_50.end();
+  coconet::cuda::trace::Unit trace_51(51, stream);
+  // [prefetched] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
+  // [prefetched] unindex t2_d_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
+  trace_52.end();
+  coconet::cuda::trace::Unit trace_53(53, stream);
+  // [prefetched] kernel: d_w2 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
+        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
+          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
+        }
+        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
+        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
+      }
+    });
+  }
+  trace_53.end();
+  coconet::cuda::trace::Unit trace_54(54, stream);
+  // [prefetched] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_54.end();
+  coconet::cuda::trace::Unit trace_55(55, stream);
+  // [prefetched] unindex t3_d_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
+  // [prefetched] kernel: d_w1 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
+        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w1;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
+          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
+        }
+        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
+        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
+      }
+    });
+  }
+  trace_56.end();
+}
+
 // program sharded_mlp_fwd, schedule default (sharded_mlp.ccn)
 void sharded_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
@@ -844,6 +2420,845 @@ void sharded_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   trace_6.end();
 }
 
+// program sharded_model_fwd, schedule default (sharded_mlp.ccn)
+void sharded_model_fwd__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = a.output<float>(1);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.output<float>(2);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.output<float>(3);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.output<float>(4);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.output<float>(5);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = a.output<float>(6);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.output<float>(7);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.output<float>(8);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.output<float>(9);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.output<float>(10);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = a.output<float>(11);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.output<float>(12);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.output<float>(13);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.output<float>(14);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] allgather y__l2__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] allgather y__l2__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [default] matmul y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l2__a, v_y__l2__w2g, v_y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_20.end();
+}
+
+// program sharded_model_fwd, schedule prefetched (sharded_mlp.ccn)
+void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = a.output<float>(1);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.output<float>(2);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.output<float>(3);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.output<float>(4);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.output<float>(5);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = a.output<float>(6);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.output<float>(7);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.output<float>(8);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.output<float>(9);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.output<float>(10);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = a.output<float>(11);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.output<float>(12);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.output<float>(13);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.output<float>(14);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [prefetched] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [prefetched] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [prefetched] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [prefetched] matmul y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l2__a, v_y__l2__w2g, v_y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_26.end();
+}
+
+// program sharded_model_bwd, schedule default (sharded_mlp.ccn)
+void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1g = a.tensor<float>(3);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.tensor<float>(4);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.tensor<float>(5);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.tensor<float>(6);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.tensor<float>(7);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1g = a.tensor<float>(8);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.tensor<float>(9);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.tensor<float>(10);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.tensor<float>(11);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.tensor<float>(12);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1g = a.tensor<float>(13);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.tensor<float>(14);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.tensor<float>(15);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.tensor<float>(16);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_d_y = a.tensor<float>(17);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(1, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(2, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(5, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
+  float* const v_g_w2 = coconet::cuda::scratch<float>(7, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
+  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
+  float* const v_g_w1 = coconet::cuda::scratch<float>(9, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(10, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(11, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(13, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(14, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
+  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(16, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
+  float* const v_g_w22 = coconet::cuda::scratch<float>(17, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
+  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(18, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
+  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(19, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
+  float* const v_g_w12 = coconet::cuda::scratch<float>(20, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(22, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(24, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(25, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
+  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(26, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(27, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
+  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(28, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] unindex g_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] unindex g_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] unindex t0_g_w22 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] kernel: g_w22 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
+        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w22;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
+          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
+        }
+        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
+        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
+      }
+    });
+  }
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] unindex t1_g_w12 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] kernel: g_w12 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
+        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w12;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
+          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
+        }
+        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
+        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
+      }
+    });
+  }
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [default] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [default] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [default] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [default] unindex t2_d_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
+  // [default] kernel: d_w2 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
+        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
+          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
+        }
+        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
+        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
+      }
+    });
+  }
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
+  // [default] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
+  // [default] unindex t3_d_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
+  // [default] kernel: d_w1 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
+        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w1;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
+          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
+        }
+        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
+        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
+      }
+    });
+  }
+  trace_30.end();
+}
+
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::cuda::CallArgs>* coconet_module_entries() {
@@ -851,13 +3266,20 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_mlp__default", &coconet_gen::sharded_mlp__default},
       {"sharded_mlp__overlapped", &coconet_gen::sharded_mlp__overlapped},
       {"sgd_step__default", &coconet_gen::sgd_step__default},
+      {"sharded_model__default", &coconet_gen::sharded_model__default},
+      {"sharded_model__prefetched", &coconet_gen::sharded_model__prefetched},
       {"sharded_mlp_grad__default", &coconet_gen::sharded_mlp_grad__default},
       {"sharded_mlp_grad__overlapped", &coconet_gen::sharded_mlp_grad__overlapped},
+      {"sharded_model_grad__default", &coconet_gen::sharded_model_grad__default},
+      {"sharded_model_grad__prefetched", &coconet_gen::sharded_model_grad__prefetched},
       {"sharded_mlp_fwd__default", &coconet_gen::sharded_mlp_fwd__default},
       {"sharded_mlp_fwd__overlapped", &coconet_gen::sharded_mlp_fwd__overlapped},
       {"sharded_mlp_bwd__default", &coconet_gen::sharded_mlp_bwd__default},
+      {"sharded_model_fwd__default", &coconet_gen::sharded_model_fwd__default},
+      {"sharded_model_fwd__prefetched", &coconet_gen::sharded_model_fwd__prefetched},
+      {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 8};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 15};
   return &entries;
 }
 

@@ -11,11 +11,18 @@ namespace coconet_gen {
 void sharded_mlp__default(const coconet::CallArgs& a);
 void sharded_mlp__overlapped(const coconet::CallArgs& a);
 void sgd_step__default(const coconet::CallArgs& a);
+void sharded_model__default(const coconet::CallArgs& a);
+void sharded_model__prefetched(const coconet::CallArgs& a);
 void sharded_mlp_grad__default(const coconet::CallArgs& a);
 void sharded_mlp_grad__overlapped(const coconet::CallArgs& a);
+void sharded_model_grad__default(const coconet::CallArgs& a);
+void sharded_model_grad__prefetched(const coconet::CallArgs& a);
 void sharded_mlp_fwd__default(const coconet::CallArgs& a);
 void sharded_mlp_fwd__overlapped(const coconet::CallArgs& a);
 void sharded_mlp_bwd__default(const coconet::CallArgs& a);
+void sharded_model_fwd__default(const coconet::CallArgs& a);
+void sharded_model_fwd__prefetched(const coconet::CallArgs& a);
+void sharded_model_bwd__default(const coconet::CallArgs& a);
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::CallArgs>* coconet_module_entries() {
@@ -23,13 +30,20 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_mlp__default", &coconet_gen::sharded_mlp__default},
       {"sharded_mlp__overlapped", &coconet_gen::sharded_mlp__overlapped},
       {"sgd_step__default", &coconet_gen::sgd_step__default},
+      {"sharded_model__default", &coconet_gen::sharded_model__default},
+      {"sharded_model__prefetched", &coconet_gen::sharded_model__prefetched},
       {"sharded_mlp_grad__default", &coconet_gen::sharded_mlp_grad__default},
       {"sharded_mlp_grad__overlapped", &coconet_gen::sharded_mlp_grad__overlapped},
+      {"sharded_model_grad__default", &coconet_gen::sharded_model_grad__default},
+      {"sharded_model_grad__prefetched", &coconet_gen::sharded_model_grad__prefetched},
       {"sharded_mlp_fwd__default", &coconet_gen::sharded_mlp_fwd__default},
       {"sharded_mlp_fwd__overlapped", &coconet_gen::sharded_mlp_fwd__overlapped},
       {"sharded_mlp_bwd__default", &coconet_gen::sharded_mlp_bwd__default},
+      {"sharded_model_fwd__default", &coconet_gen::sharded_model_fwd__default},
+      {"sharded_model_fwd__prefetched", &coconet_gen::sharded_model_fwd__prefetched},
+      {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 8};
+  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 15};
   return &entries;
 }
 
