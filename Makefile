@@ -79,6 +79,7 @@ bench: $(STAMP)
 	$(PY) bench/train_step.py --size 3M
 	$(PY) bench/train_step.py --size 10M
 	$(PY) bench/sharded.py
+	$(PY) bench/prefetch.py
 	$(PY) bench/block_threads.py
 
 clean:
