@@ -61,9 +61,10 @@ def main() -> int:
         w2 = (rng.standard_normal((3, part(f), h)) * 0.02).astype(np.float32)
         dy = rng.standard_normal((part(b), h)).astype(np.float32)
         fns = {}
+        args = dict(x=x, w1=w1, w2=w2)
         for s in ("default", "prefetched"):
-            fns[("forward", s)] = lambda s=s: mod.sharded_model(schedule=s, x=x, w1=w1, w2=w2)
-            fns[("forward + backward", s)] = lambda s=s: mod.sharded_model_grad(schedule=s, x=x, w1=w1, w2=w2, d_y=dy)
+            fns[("forward", s)] = lambda s=s, a=args: mod.sharded_model(schedule=s, **a)
+            fns[("forward + backward", s)] = lambda s=s, a=args, dy=dy: mod.sharded_model_grad(schedule=s, **a, d_y=dy)
         got = timed_all(comm, fns, a.reps)
         for what in ("forward", "forward + backward"):
             d, p = got[(what, "default")], got[(what, "prefetched")]
