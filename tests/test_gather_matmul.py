@@ -252,6 +252,64 @@ def test_the_derived_fsdp_layer_gathers_and_reduce_scatters_and_matches_numpy(ra
     np.testing.assert_allclose(np.concatenate([r.outputs["y"] for r in fwd]), x @ w, rtol=1e-12)
 
 
+def test_gathered_weights_share_memory_once_their_readers_have_run():
+    """A gathered weight is held in the memory of an earlier one of its type whose last reader
+    has run (Buffer.reuses): without prefetch each layer reuses the first layer's; with the
+    next layer's gathers in flight (depth 2) every other layer; the plan shows where each is
+    made and last read."""
+    mod = load_file(FILE)
+
+    def reuses(sched: str) -> dict[str, str]:
+        return {b.name: b.reuses for b in mod.plans[("fsdp_model", sched)].buffers if b.reuses}
+    first = {"y__l1__w1g": "y__l0__w1g", "y__l2__w1g": "y__l0__w1g", "y__l1__w2g": "y__l0__w2g",
+             "y__l2__w2g": "y__l0__w2g"}
+    assert reuses("default") == first
+    assert reuses("one") == first  # (layer l+1's gathers start after layer l's last use of its own)
+    assert reuses("next") == {"y__l2__w1g": "y__l0__w1g", "y__l2__w2g": "y__l0__w2g"}
+    assert reuses("ov") == {}  # (depth 3: every gather starts before the one 3 back has been read)
+    from coconetc.plan.show import show as show_plan
+    text = show_plan(mod.plans[("fsdp_model", "next")])
+    assert "y__l2__w1g   f32[K, N] replicated         scratch (in y__l0__w1g's memory: gathered after its last " \
+           "reader)" in text, text
+    assert "  y__l0__w1g   start allgather y__l0__w1g (prefetch) (L199) -> matmul y__l0__hm (L200)" in text, text
+
+
+def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_program():
+    """The derived program cut for training (autodiff/saved.py) saves no gathered weight: the
+    backward gathers each again, the last layer's first, and its schedule's prefetch starts
+    those gathers ahead; forward then backward give the derived program's gradients (the
+    interpreter, 2 ranks, uneven slices)."""
+    from coconetc.sourcefile import with_grads
+    mod = with_grads(load_source(FILE.read_text().replace("f32", "f64"), "g.ccn"), ["fsdp_model"])
+    fwd, bwd, grad = (mod.programs[f"fsdp_model{s}"] for s in ("_fwd", "_bwd", "_grad"))
+    saved = [pub.removeprefix("saved_") for pub, _ in fwd.outputs[1:]]
+    assert saved and not [s for s in saved if s.endswith(("w1g", "w2g", "__w1", "__w2"))], saved
+    gathers = [s.name for s in bwd.stages if getattr(s.expr, "op", "") == "allgather"]
+    assert sorted(gathers) == sorted(f"y__l{k}__w{j}g" for k in range(3) for j in (1, 2)), gathers
+    plan = load_file(FILE)
+    waits = [w for kind, w in _starts_and_waits(with_grads(plan, ["fsdp_model"]).plans[("fsdp_model_bwd", "next")])
+             if kind == "wait"]
+    assert waits == [f"y__l{k}__w{j}g" for k in (2, 1, 0) for j in (2, 1)], waits
+    ranks, (T, K, N) = 2, (5, 3, 4)
+    rng = np.random.default_rng(3)
+    whole = {"x": rng.standard_normal((T, K)), "w1": rng.standard_normal((3, K, N)) * 0.5,
+             "w2": rng.standard_normal((3, N, K)) * 0.5, "d_y": rng.standard_normal((T, K))}
+    dims = {"x": 0, "w1": 1, "w2": 1, "d_y": 0}
+
+    def part(name: str, r: int):
+        a, d = whole[name], dims[name]
+        lo, hi = slice_range(a.shape[d], ranks, r)
+        return np.ascontiguousarray(np.take(a, range(lo, hi), axis=d))
+    f = run(fwd, [{n: part(n, r) for n in ("x", "w1", "w2")} for r in range(ranks)])
+    got = run(bwd, [{**{n: part(n, r) for n in dims}, **{s: f[r].outputs[f"saved_{s}"] for s in saved}}
+                    for r in range(ranks)])
+    want = run(grad, [{n: part(n, r) for n in dims} for r in range(ranks)])
+    for r in range(ranks):
+        for pub in want[r].outputs:
+            np.testing.assert_allclose(got[r].outputs[pub], want[r].outputs[pub], rtol=1e-12, atol=1e-13,
+                                       err_msg=f"{pub} on rank {r}")
+
+
 def _refused_at(program: str, directive: str, where: str, message: str) -> None:
     """`schedule s for q { DIRECTIVE }` after PROGRAM is refused with MESSAGE at WHERE."""
     src = program + f"schedule s for q {{\n    {directive}\n}}\n"

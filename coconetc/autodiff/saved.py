@@ -5,8 +5,10 @@ reads them instead of computing them again.
 g = vjp(p) computes p's values before its cotangents (the values the backward reads). split(p,
 g) chooses which of them the forward saves: every value the backward reads that is one of p's
 own stages and not 0-d (the stages a schedule of p names, so that p's schedules apply to the
-saving forward unchanged), except a layer of a stacked parameter (`index(w, i)`: a view of w);
-the rest (operations the derivation gave a stage of their own, such
+saving forward unchanged), except a layer of a stacked parameter (`index(w, i)`: a view of w)
+and a weight's all-gather (ir/gathers.py: a parameter sliced over the ranks, gathered where it
+is used; FSDP's reshard after the forward: the backward gathers it again, so that between the
+two a rank holds only its slices); the rest (operations the derivation gave a stage of their own, such
 as the `a + b1` inside `gelu(a + b1)`, and 0-d values) are recomputed by the backward from the
 saved values and the inputs.
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from coconetc.autodiff.vjp import cotangent_params, live, recomputed
 from coconetc.ir.expr import Op, Ref, refs
+from coconetc.ir.gathers import weight_of
 from coconetc.ir.nodes import Param, Program
 
 
@@ -58,7 +61,9 @@ def split(p: Program, g: Program) -> Split:
     def need(name: str) -> None:
         if name not in forward or name in saved or name in again:
             return
-        if name in own and g.stage_named(name).type.ndim > 0 and not _layer_of_param(g.stage_named(name).expr, p):
+        e = g.stage_named(name).expr
+        if name in own and g.stage_named(name).type.ndim > 0 and not _layer_of_param(e, p) \
+                and not _weight_gather(e, p):
             saved.append(name)
             return
         again.add(name)
@@ -77,6 +82,11 @@ def split(p: Program, g: Program) -> Split:
     params = (*g.params[:n], *(Param(v, g.stage_named(v).type) for v in order), *g.params[n:])
     bwd = replace(g, name=bwd_name(p.name), params=params, stages=tuple(live(kept, g.outputs)))
     return Split(fwd, bwd, tuple(order), tuple(s.name for s in bwd.stages if s.name in again))
+
+
+def _weight_gather(e: object, p: Program) -> bool:
+    """allgather of a weight (ir/gathers.py): gathered again by the backward, not saved."""
+    return isinstance(e, Op) and e.op == "allgather" and bool(e.args) and weight_of(p, e.args[0]) is not None
 
 
 def _layer_of_param(e: object, p: Program) -> bool:

@@ -44,14 +44,14 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
 
 
 def _declaration_order(buffers) -> list[Buffer]:
-    """The buffers in plan order, except that one held in another's memory (Buffer.same_as)
-    comes after that one (a reshape's source held in the output it is reshaped into)."""
+    """The buffers in plan order, except that one held in another's memory (Buffer.same_as,
+    Buffer.reuses) comes after that one (a reshape's source held in the output it is reshaped into)."""
     out: list[Buffer] = []
     done: set[str] = set()
     waiting = list(buffers)
     while waiting:
-        b = next(x for x in waiting if not x.same_as or x.same_as in done or
-                 x.same_as not in {y.name for y in waiting})
+        b = next(x for x in waiting if all(not o or o in done or o not in {y.name for y in waiting}
+                                           for o in (x.same_as, x.reuses)))
         waiting.remove(b)
         out.append(b)
         done.add(b.name)
@@ -79,6 +79,8 @@ def declare(w: Writer, b: Buffer) -> bool:
                f"// row {b.same_at} of {b.same_as} (an index): its memory, no copy")
     elif b.same_as:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // a reshape of {b.same_as}: its memory, no copy")
+    elif b.reuses:
+        w.emit(f"{ct}* const v_{b.name} = v_{b.reuses};  // in {b.reuses}'s memory: gathered after its last reader")
     elif b.kind == "output":
         w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({w.sig.outputs.index(b.of)});")
     elif b.kind == "alias":

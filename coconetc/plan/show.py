@@ -8,15 +8,20 @@ from __future__ import annotations
 from coconetc.ir import ops, printer
 from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import BACKENDS
-from coconetc.plan.targets import TARGETS
+from coconetc.plan.targets import TARGETS, gathered_lives
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
 from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
-                                 GatherMatmul, Overlap, Partials, Plan, Reduce, Require, StartGather, Strategy, Unit)
+                                 GatherMatmul, Overlap, Partials, Plan, Reduce, Require, StartGather, Strategy, Unit, title)
 
 
 def show(plan: Plan) -> str:
     lines = [f"plan {plan.program} [{plan.schedule}]", "buffers:"]
     lines += [f"  {_buffer(plan, b)}" for b in plan.buffers]
+    lives = gathered_lives(plan)
+    if lives:  # when each whole gathered value is made and when its memory is free again
+        lines.append("gathered (made by -> last read by; where two share memory, the later is in the earlier's):")
+        for n, (first, last) in lives.items():
+            lines.append(f"  {n:<12} {_said(plan.units[first])} -> {_said(plan.units[last])}")
     lines.append("units:")
     for u in plan.units:
         lines += _unit(plan, u, "  ")
@@ -29,6 +34,11 @@ def show(plan: Plan) -> str:
         lines.append(f"  {t:<15} {'every unit' if not gaps else 'not:'}")
         lines += [f"    {_at(g.line)} {g.what}" for g in gaps]
     return "\n".join(lines) + "\n"
+
+
+def _said(u: Unit) -> str:
+    line = getattr(u, "line", 0) or (u.gather.line if isinstance(u, StartGather) else 0)
+    return f"{title(u)}{f' (L{line})' if line else ''}"
 
 
 def _attention(plan: Plan, a: Attention) -> str:
@@ -63,6 +73,8 @@ def _buffer(plan: Plan, b: Buffer) -> str:
     if b.same_as:
         what = f"row {b.same_at} of {b.same_as}: an index" if b.same_at is not None else f"the memory of {b.same_as}: a reshape"
         none += f" ({what}, no copy)"
+    if b.reuses:
+        none += f" (in {b.reuses}'s memory: gathered after its last reader)"
     if b.kind == "param" and b.type.ndim and plan.own_part_only(b.name):  # (DistributedOptimizer's shared_weights)
         none += " (each rank writes only its own part: the ranks of a node may hold one copy)"
     return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}{none}"

@@ -58,7 +58,7 @@ from coconetc.ir import ops
 from coconetc.ir.nodes import Ref, walk
 from coconetc.plan.fusion_legality import row_op
 from coconetc.plan.units import (Algorithm, Buffer, Choice, ChunkElems, Chunking, Collective, Fused, Gap, GatherAfter,
-                                 GatherMatmul, Library, Overlap, Partials, Plan, Reduce, StartGather, Strategy, Unit)
+                                 GatherMatmul, Library, Overlap, Partials, Plan, Reduce, StartGather, Strategy, Unit, _touches)
 
 
 class Target(Choice):
@@ -138,6 +138,8 @@ def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     plan = replace(plan, buffers=tuple(replace(b, same_as=views[b.name]) if b.name in views else
                                        replace(b, same_as=rows[b.name][0], same_at=rows[b.name][1])
                                        if b.name in rows else b for b in plan.buffers))
+    held = gathered_reuse(plan)
+    plan = replace(plan, buffers=tuple(replace(b, reuses=held[b.name]) if b.name in held else b for b in plan.buffers))
     kinds = {b.name: b.kind for b in plan.buffers}
     plan = replace(plan, units=tuple(_with_strategies(u, kinds) for u in plan.units))
     gaps = [_gap(t, u, what, locate) for t in TARGETS for u, what in GAPS[t](plan)]
@@ -190,6 +192,55 @@ def _index_views(plan: Plan, views: dict[str, str]) -> dict[str, tuple[str, int]
                 and src.name not in updated and src.type.dtype == dst.type.dtype:
             rows[dst.name] = (src.name, int(dict(u.attrs)["i"]))  # type: ignore[call-overload]
     return rows
+
+
+def gathered_lives(plan: Plan) -> dict[str, tuple[int, int]]:
+    """The all-gathered values whose memory may be shared (a whole weight gathered where it is
+    used: FSDP), each with its life: the first and the last unit (indexes into plan.units) that
+    touch it, its start included (a prefetched gather's StartGather writes it from there on).
+    Which: the results of top-level allgathers (a Collective, prefetched or not) in private
+    scratch (not in a shared window, allocated on every target, not a reshape's or an index's
+    memory) that no other buffer lies in (no view inside it, no reshape or index of it held in
+    its memory). A value an attention call reads lives until the call (its last member)."""
+    bufs = {b.name: b for b in plan.buffers}
+    inside = {b.same_as for b in plan.buffers if b.same_as} | {b.of for b in plan.buffers if b.kind == "view"}
+    names = []
+    for u in plan.units:
+        if isinstance(u, Collective) and u.op == "allgather" and not u.into:
+            b = bufs.get(u.dst)
+            if b is not None and b.kind == "scratch" and not b.shared and not b.unallocated and not b.same_as \
+                    and b.name not in inside:
+                names.append(b.name)
+    lives = {}
+    for n in names:
+        touched = [i for i, u in enumerate(plan.units) if _touches(u, {n})]
+        for a in plan.attention:  # (an attention call reads its members' operands at its last member)
+            if set(touched) & set(a.members):
+                touched.append(max(a.members))
+        lives[n] = (min(touched), max(touched))
+    return lives
+
+
+def gathered_reuse(plan: Plan) -> dict[str, str]:
+    """Each all-gathered value (gathered_lives) that is held in the memory of an earlier one of
+    the same type whose life has ended before its own begins (Buffer.reuses: the earliest such
+    value, whose memory a chain of them shares): so a rank holds at once only the gathered
+    values alive (a model's whole weights: the layers in flight and in use), not each one for
+    the whole call; every backend (a CUDA stream's order, and the joins of an overlap's comm
+    stream, keep their lives apart as the units' order does)."""
+    lives = gathered_lives(plan)
+    types = {b.name: b.type for b in plan.buffers}
+    slots: list[list] = []  # [the value whose memory it is, its type, the last unit of its last life]
+    out: dict[str, str] = {}
+    for n in sorted(lives, key=lambda x: lives[x][0]):
+        first, last = lives[n]
+        slot = next((s for s in slots if s[1] == types[n] and s[2] < first), None)
+        if slot is None:
+            slots.append([n, types[n], last])
+        else:
+            out[n] = slot[0]
+            slot[2] = last
+    return out
 
 
 def _collective_reads(u: Unit) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ class Buffer:
     unallocated: tuple[str, ...] = ()  # the targets that give it no memory (plan/targets.py)
     same_as: str = ""  # scratch: a reshape's result held in its source's memory, no copy (plan/targets.py)
     same_at: int | None = None  # with same_as: an index's row i of its source (its memory from i * this buffer's size)
+    reuses: str = ""  # scratch: an all-gathered value held in an earlier one's memory, whose last reader has run (plan/targets.py)
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,11 @@ void gpt_block_sp__default(const coconet::CallArgs& a) {
   float* const v_at = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_x1 = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_n2s = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_n2 = coconet::scratch<float, 23>(S_B * S_S * S_H);
-  float* const v_hm = coconet::scratch<float, 24>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_h = coconet::scratch<float, 25>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_mp = coconet::scratch<float, 26>(S_B * S_S * S_H);
-  float* const v_mt = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2 = v_n1;  // in n1's memory: gathered after its last reader
+  float* const v_hm = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::scratch<float, 24>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_mp = coconet::scratch<float, 25>(S_B * S_S * S_H);
+  float* const v_mt = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [default] layernorm n1s (gpt_block.ccn:122)

@@ -1829,15 +1829,14 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2s = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
-  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_n2 = v_n1;  // in n1's memory: gathered after its last reader
+  float* const v_hm = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_mp = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -6543,83 +6542,82 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_g_bo_part = coconet::cuda::scratch<float>(38, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_allgather4 = v_n2;  // in n2's memory: gathered after its last reader
+  float* const v_g_o = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(57, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(58, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(64, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(63, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(65, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(64, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -16922,83 +16920,82 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_g_bo_part = coconet::cuda::scratch<float>(14, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_allgather4 = v_g_allgather2;  // in g_allgather2's memory: gathered after its last reader
+  float* const v_g_o = coconet::cuda::scratch<float>(15, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(40, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(39, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(41, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(40, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);

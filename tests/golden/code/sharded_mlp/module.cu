@@ -286,28 +286,24 @@ void sharded_model__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
   float* const v_y__l1__w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
-  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(10, S_H * S_F);
-  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
-  float* const v_y__l1__h = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l1__h = coconet::cuda::scratch<float>(10, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h");
-  float* const v_y__l1__a = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__a = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a");
-  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(13, S_F * S_H);
-  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
-  float* const v_y__l1__y = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l1__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
+  float* const v_y__l1__y = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y");
-  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(13, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
-  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(14, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
-  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
-  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
-  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(15, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
-  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(16, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
-  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
-  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_y__l2__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
@@ -509,14 +505,12 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
   float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
-  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
-  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
-  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(17, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
-  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
-  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
-  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_y__l2__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
@@ -2174,14 +2168,14 @@ void sharded_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
   float* const v_w2 = a.tensor<float>(2);
   COCONET_PARAM(v_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
-  float* const v_w1g = a.output<float>(1);
-  COCONET_PARAM(v_w1g, size_t(S_H * S_F) * sizeof(*v_w1g), "w1g", stream);
-  float* const v_h = a.output<float>(2);
+  float* const v_w1g = coconet::cuda::scratch<float>(1, S_H * S_F);
+  COCONET_BUFFER(v_w1g, size_t(S_H * S_F) * sizeof(*v_w1g), "w1g");
+  float* const v_h = a.output<float>(1);
   COCONET_PARAM(v_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_h), "h", stream);
-  float* const v_a = a.output<float>(3);
+  float* const v_a = a.output<float>(2);
   COCONET_PARAM(v_a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_a), "a", stream);
-  float* const v_w2g = a.output<float>(4);
-  COCONET_PARAM(v_w2g, size_t(S_F * S_H) * sizeof(*v_w2g), "w2g", stream);
+  float* const v_w2g = coconet::cuda::scratch<float>(2, S_F * S_H);
+  COCONET_BUFFER(v_w2g, size_t(S_F * S_H) * sizeof(*v_w2g), "w2g");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
@@ -2243,14 +2237,14 @@ void sharded_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
   float* const v_w2 = a.tensor<float>(2);
   COCONET_PARAM(v_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
-  float* const v_w1g = a.output<float>(1);
-  COCONET_PARAM(v_w1g, size_t(S_H * S_F) * sizeof(*v_w1g), "w1g", stream);
-  float* const v_h = a.output<float>(2);
+  float* const v_w1g = coconet::cuda::scratch<float>(1, S_H * S_F);
+  COCONET_BUFFER(v_w1g, size_t(S_H * S_F) * sizeof(*v_w1g), "w1g");
+  float* const v_h = a.output<float>(1);
   COCONET_PARAM(v_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_h), "h", stream);
-  float* const v_a = a.output<float>(3);
+  float* const v_a = a.output<float>(2);
   COCONET_PARAM(v_a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_a), "a", stream);
-  float* const v_w2g = a.output<float>(4);
-  COCONET_PARAM(v_w2g, size_t(S_F * S_H) * sizeof(*v_w2g), "w2g", stream);
+  float* const v_w2g = coconet::cuda::scratch<float>(2, S_F * S_H);
+  COCONET_BUFFER(v_w2g, size_t(S_F * S_H) * sizeof(*v_w2g), "w2g");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
@@ -2258,13 +2252,13 @@ void sharded_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 2);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       {
         const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
         coconet::cuda::allgather_pieces<float>(v_w1, v_w1g, S_H, S_F, 2, i, cctx);
       }
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 1);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 3);  // chunk i has arrived
       {
         const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
         for (int q = 0; q < comm.size; ++q) {
@@ -2307,13 +2301,13 @@ void sharded_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 4);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 6);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       {
         const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
         coconet::cuda::allgather_pieces<float>(v_w2, v_w2g, S_F, S_H, 2, i, cctx);
       }
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 3);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 5);  // chunk i has arrived
       {
         const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
         for (int q = 0; q < comm.size; ++q) {
@@ -2342,39 +2336,43 @@ void sharded_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
   float* const v_w2 = a.tensor<float>(2);
   COCONET_PARAM(v_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
-  float* const v_w1g = a.tensor<float>(3);
-  COCONET_PARAM(v_w1g, size_t(S_H * S_F) * sizeof(*v_w1g), "w1g", stream);
-  float* const v_h = a.tensor<float>(4);
+  float* const v_h = a.tensor<float>(3);
   COCONET_PARAM(v_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_h), "h", stream);
-  float* const v_a = a.tensor<float>(5);
+  float* const v_a = a.tensor<float>(4);
   COCONET_PARAM(v_a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_a), "a", stream);
-  float* const v_w2g = a.tensor<float>(6);
-  COCONET_PARAM(v_w2g, size_t(S_F * S_H) * sizeof(*v_w2g), "w2g", stream);
-  float* const v_d_y = a.tensor<float>(7);
+  float* const v_d_y = a.tensor<float>(5);
   COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_g_a = coconet::cuda::scratch<float>(1, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_w2g = coconet::cuda::scratch<float>(1, S_F * S_H);
+  COCONET_BUFFER(v_w2g, size_t(S_F * S_H) * sizeof(*v_w2g), "w2g");
+  float* const v_g_a = coconet::cuda::scratch<float>(2, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_a), "g_a");
-  float* const v_g_w2g_part = coconet::cuda::scratch<float>(2, S_F * S_H);
+  float* const v_g_w2g_part = coconet::cuda::scratch<float>(3, S_F * S_H);
   COCONET_BUFFER(v_g_w2g_part, size_t(S_F * S_H) * sizeof(*v_g_w2g_part), "g_w2g_part");
-  float* const v_g_h = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_h = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_h), "g_h");
+  float* const v_w1g = coconet::cuda::scratch<float>(5, S_H * S_F);
+  COCONET_BUFFER(v_w1g, size_t(S_H * S_F) * sizeof(*v_w1g), "w1g");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_w1g_part = coconet::cuda::scratch<float>(4, S_H * S_F);
+  float* const v_g_w1g_part = coconet::cuda::scratch<float>(6, S_H * S_F);
   COCONET_BUFFER(v_g_w1g_part, size_t(S_H * S_F) * sizeof(*v_g_w1g_part), "g_w1g_part");
   float* const v_d_w2 = a.output<float>(2);
   COCONET_PARAM(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [default] matmul_nt g_a (sharded_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_w2g, v_g_a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  // [default] allgather w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_w2, v_w2g, int64_t(1), S_F, S_H, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
-  // [default] matmul_tn g_w2g_part (sharded_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_a, v_d_y, v_g_w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  // [default] matmul_nt g_a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_w2g, v_g_a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] matmul_tn g_w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_a, v_d_y, v_g_w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] kernel: g_h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2401,23 +2399,27 @@ void sharded_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul_nt d_x (sharded_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_h, v_w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] matmul_tn g_w1g_part (sharded_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_x, v_g_h, v_g_w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  // [default] allgather w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_w1, v_w1g, int64_t(1), S_H, S_F, ctx);
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] reducescatter d_w2 (NCCL) (sharded_mlp.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_w2g_part, v_d_w2, int64_t(1), S_F, S_H, ctx);
+  // [default] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_h, v_w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] matmul_tn g_w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_h, v_g_w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] reducescatter d_w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_w2g_part, v_d_w2, int64_t(1), S_F, S_H, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] reducescatter d_w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_w1g_part, v_d_w1, int64_t(1), S_H, S_F, ctx);
-  trace_6.end();
+  trace_8.end();
 }
 
 // program sharded_model_fwd, schedule default (sharded_mlp.ccn)
@@ -2439,42 +2441,38 @@ void sharded_model_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
   float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
-  float* const v_y__l0__w1g = a.output<float>(1);
-  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
-  float* const v_y__l0__h = a.output<float>(2);
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = a.output<float>(1);
   COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
-  float* const v_y__l0__a = a.output<float>(3);
+  float* const v_y__l0__a = a.output<float>(2);
   COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
-  float* const v_y__l0__w2g = a.output<float>(4);
-  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
-  float* const v_y__l0__y = a.output<float>(5);
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(4, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = a.output<float>(3);
   COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
-  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
-  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
-  float* const v_y__l1__w1g = a.output<float>(6);
-  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
-  float* const v_y__l1__h = a.output<float>(7);
+  float* const v_y__l1__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l1__h = a.output<float>(4);
   COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
-  float* const v_y__l1__a = a.output<float>(8);
+  float* const v_y__l1__a = a.output<float>(5);
   COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
-  float* const v_y__l1__w2g = a.output<float>(9);
-  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
-  float* const v_y__l1__y = a.output<float>(10);
+  float* const v_y__l1__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
+  float* const v_y__l1__y = a.output<float>(6);
   COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
-  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(7, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
-  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
-  float* const v_y__l2__w1g = a.output<float>(11);
-  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
-  float* const v_y__l2__h = a.output<float>(12);
+  float* const v_y__l2__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l2__h = a.output<float>(7);
   COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
-  float* const v_y__l2__a = a.output<float>(13);
+  float* const v_y__l2__a = a.output<float>(8);
   COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
-  float* const v_y__l2__w2g = a.output<float>(14);
-  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_y__l2__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
@@ -2648,42 +2646,40 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
   float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
-  float* const v_y__l0__w1g = a.output<float>(1);
-  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
-  float* const v_y__l0__h = a.output<float>(2);
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = a.output<float>(1);
   COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
-  float* const v_y__l0__a = a.output<float>(3);
+  float* const v_y__l0__a = a.output<float>(2);
   COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
-  float* const v_y__l0__w2g = a.output<float>(4);
-  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
-  float* const v_y__l0__y = a.output<float>(5);
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(4, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = a.output<float>(3);
   COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
-  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
-  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
-  float* const v_y__l1__w1g = a.output<float>(6);
-  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
-  float* const v_y__l1__h = a.output<float>(7);
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(7, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_y__l1__h = a.output<float>(4);
   COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
-  float* const v_y__l1__a = a.output<float>(8);
+  float* const v_y__l1__a = a.output<float>(5);
   COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
-  float* const v_y__l1__w2g = a.output<float>(9);
-  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
-  float* const v_y__l1__y = a.output<float>(10);
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(8, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_y__l1__y = a.output<float>(6);
   COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
-  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
-  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(10, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
-  float* const v_y__l2__w1g = a.output<float>(11);
-  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
-  float* const v_y__l2__h = a.output<float>(12);
+  float* const v_y__l2__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l2__h = a.output<float>(7);
   COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
-  float* const v_y__l2__a = a.output<float>(13);
+  float* const v_y__l2__a = a.output<float>(8);
   COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
-  float* const v_y__l2__w2g = a.output<float>(14);
-  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_y__l2__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
@@ -2877,107 +2873,143 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
   float* const v_w2 = a.tensor<float>(2);
   COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
-  float* const v_y__l0__w1g = a.tensor<float>(3);
-  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
-  float* const v_y__l0__h = a.tensor<float>(4);
+  float* const v_y__l0__h = a.tensor<float>(3);
   COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
-  float* const v_y__l0__a = a.tensor<float>(5);
+  float* const v_y__l0__a = a.tensor<float>(4);
   COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
-  float* const v_y__l0__w2g = a.tensor<float>(6);
-  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
-  float* const v_y__l0__y = a.tensor<float>(7);
+  float* const v_y__l0__y = a.tensor<float>(5);
   COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
-  float* const v_y__l1__w1g = a.tensor<float>(8);
-  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
-  float* const v_y__l1__h = a.tensor<float>(9);
+  float* const v_y__l1__h = a.tensor<float>(6);
   COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
-  float* const v_y__l1__a = a.tensor<float>(10);
+  float* const v_y__l1__a = a.tensor<float>(7);
   COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
-  float* const v_y__l1__w2g = a.tensor<float>(11);
-  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
-  float* const v_y__l1__y = a.tensor<float>(12);
+  float* const v_y__l1__y = a.tensor<float>(8);
   COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
-  float* const v_y__l2__w1g = a.tensor<float>(13);
-  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
-  float* const v_y__l2__h = a.tensor<float>(14);
+  float* const v_y__l2__h = a.tensor<float>(9);
   COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
-  float* const v_y__l2__a = a.tensor<float>(15);
+  float* const v_y__l2__a = a.tensor<float>(10);
   COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
-  float* const v_y__l2__w2g = a.tensor<float>(16);
-  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
-  float* const v_d_y = a.tensor<float>(17);
+  float* const v_d_y = a.tensor<float>(11);
   COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
-  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(1, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(7, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(8, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
-  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(2, S_F * S_H);
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(9, S_F * S_H);
   COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
-  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(10, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
-  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(11, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
-  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(5, S_H * S_F);
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(13, S_H * S_F);
   COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
-  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(14, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
-  float* const v_g_w2 = coconet::cuda::scratch<float>(7, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_w2 = coconet::cuda::scratch<float>(15, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
-  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
-  float* const v_g_w1 = coconet::cuda::scratch<float>(9, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_w1 = coconet::cuda::scratch<float>(17, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
-  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(10, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
-  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(11, S_F * S_H);
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(19, S_F * S_H);
   COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
-  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(20, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
-  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(13, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l1__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
-  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(14, S_H * S_F);
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(22, S_H * S_F);
   COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
-  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(23, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
-  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(16, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(24, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
-  float* const v_g_w22 = coconet::cuda::scratch<float>(17, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_w22 = coconet::cuda::scratch<float>(25, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
-  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(18, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(26, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
-  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(19, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
-  float* const v_g_w12 = coconet::cuda::scratch<float>(20, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_w12 = coconet::cuda::scratch<float>(28, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
-  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(29, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
-  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(22, S_F * S_H);
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(30, S_F * S_H);
   COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
-  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(24, S_H * S_F);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(32, S_H * S_F);
   COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
-  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(25, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(33, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
-  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(26, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(34, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
   float* const v_d_w2 = a.output<float>(2);
   COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(27, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
-  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(28, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
-  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  // [default] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
-  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  // [default] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] allgather y__l2__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] kernel: g_y__l2__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3004,40 +3036,48 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_4.end();
-  coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
-  // [default] unindex g_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
-  trace_6.end();
-  coconet::cuda::trace::Unit trace_7(7, stream);
-  // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
-  // [default] unindex g_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
-  trace_8.end();
-  coconet::cuda::trace::Unit trace_9(9, stream);
-  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
   trace_9.end();
   coconet::cuda::trace::Unit trace_10(10, stream);
-  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  // [default] allgather y__l2__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] unindex g_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] unindex g_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3064,24 +3104,28 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [default] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
-  trace_14.end();
-  coconet::cuda::trace::Unit trace_15(15, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] unindex t0_g_w22 (sharded_mlp.ccn)
   coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
-  trace_15.end();
-  coconet::cuda::trace::Unit trace_16(16, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] kernel: g_w22 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3107,16 +3151,16 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_16.end();
-  coconet::cuda::trace::Unit trace_17(17, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] unindex t1_g_w12 (sharded_mlp.ccn)
   coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] kernel: g_w12 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3142,16 +3186,20 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
+  // [default] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] kernel: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3178,24 +3226,28 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
+  // [default] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] matmul_nt d_x (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] unindex t2_d_w2 (sharded_mlp.ccn)
   coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] kernel: d_w2 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3221,16 +3273,16 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [default] unindex t3_d_w1 (sharded_mlp.ccn)
   coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [default] kernel: d_w1 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3256,7 +3308,486 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
+  trace_42.end();
+}
+
+// program sharded_model_bwd, schedule prefetched (sharded_mlp.ccn)
+void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__h = a.tensor<float>(3);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.tensor<float>(4);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__y = a.tensor<float>(5);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__h = a.tensor<float>(6);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.tensor<float>(7);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__y = a.tensor<float>(8);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__h = a.tensor<float>(9);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.tensor<float>(10);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_d_y = a.tensor<float>(11);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(7, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(8, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(9, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(10, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(11, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(13, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(14, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
+  float* const v_g_w2 = coconet::cuda::scratch<float>(15, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
+  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
+  float* const v_g_w1 = coconet::cuda::scratch<float>(17, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(18, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(20, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(22, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(24, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(25, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
+  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(26, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
+  float* const v_g_w22 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
+  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(28, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
+  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(29, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
+  float* const v_g_w12 = coconet::cuda::scratch<float>(30, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
+  float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(32, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
+  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(37, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
+  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(38, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [prefetched] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [prefetched] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [prefetched] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [prefetched] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [prefetched] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [prefetched] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [prefetched] unindex g_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [prefetched] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [prefetched] unindex g_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [prefetched] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [prefetched] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [prefetched] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
+  // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
+  // [prefetched] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
+  // [prefetched] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
+  // [prefetched] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
   trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
+  // [prefetched] unindex t0_g_w22 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
+  // [prefetched] kernel: g_w22 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
+        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w22;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
+          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
+        }
+        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
+        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
+      }
+    });
+  }
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
+  // [prefetched] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
+  // [prefetched] unindex t1_g_w12 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
+  // [prefetched] kernel: g_w12 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
+        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
+        coconet::cuda::Vec<float, 4> out_g_w12;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
+          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
+        }
+        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
+        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
+      }
+    });
+  }
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
+  // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
+  // [prefetched] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
+  // [prefetched] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
+  // [prefetched] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
+  // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
+  // [prefetched] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
+  // [prefetched] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
+  // [prefetched] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
+  // [prefetched] unindex t2_d_w2 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
+  // [prefetched] kernel: d_w2 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
+        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
+          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
+        }
+        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
+        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
+      }
+    });
+  }
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
+  // [prefetched] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_46.end();
+  coconet::cuda::trace::Unit trace_47(47, stream);
+  // [prefetched] unindex t3_d_w1 (sharded_mlp.ccn)
+  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
+  trace_47.end();
+  coconet::cuda::trace::Unit trace_48(48, stream);
+  // [prefetched] kernel: d_w1 (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
+        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
+        coconet::cuda::Vec<float, 4> out_d_w1;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
+          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
+        }
+        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
+        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
+      }
+    });
+  }
+  trace_48.end();
 }
 
 }  // namespace coconet_gen
@@ -3278,8 +3809,9 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_model_fwd__default", &coconet_gen::sharded_model_fwd__default},
       {"sharded_model_fwd__prefetched", &coconet_gen::sharded_model_fwd__prefetched},
       {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
+      {"sharded_model_bwd__prefetched", &coconet_gen::sharded_model_bwd__prefetched},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 15};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 16};
   return &entries;
 }
 

@@ -18,27 +18,31 @@ void sharded_mlp_bwd__default(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_w1 = a.tensor<float>(1);
   float* const v_w2 = a.tensor<float>(2);
-  float* const v_w1g = a.tensor<float>(3);
-  float* const v_h = a.tensor<float>(4);
-  float* const v_a = a.tensor<float>(5);
-  float* const v_w2g = a.tensor<float>(6);
-  float* const v_d_y = a.tensor<float>(7);
-  float* const v_g_a = coconet::scratch<float, 1>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w2g_part = coconet::scratch<float, 2>(S_F * S_H);
-  float* const v_g_h = coconet::scratch<float, 3>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_h = a.tensor<float>(3);
+  float* const v_a = a.tensor<float>(4);
+  float* const v_d_y = a.tensor<float>(5);
+  float* const v_w2g = coconet::scratch<float, 1>(S_F * S_H);
+  float* const v_g_a = coconet::scratch<float, 2>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_w2g_part = coconet::scratch<float, 3>(S_F * S_H);
+  float* const v_g_h = coconet::scratch<float, 4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_w1g = coconet::scratch<float, 5>(S_H * S_F);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_w1g_part = coconet::scratch<float, 4>(S_H * S_F);
+  float* const v_g_w1g_part = coconet::scratch<float, 6>(S_H * S_F);
   float* const v_d_w2 = a.output<float>(2);
   float* const v_d_w1 = a.output<float>(1);
   coconet::trace::Unit trace_0(0);
-  // [default] matmul_nt g_a (sharded_mlp.ccn)
-  coconet::matmul_nt<float>(v_d_y, v_w2g, v_g_a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  // [default] allgather w2g (sharded_mlp.ccn:12)
+  coconet::allgather(v_w2, v_w2g, int64_t(1), S_F, S_H, comm);
   trace_0.end();
   coconet::trace::Unit trace_1(1);
-  // [default] matmul_tn g_w2g_part (sharded_mlp.ccn)
-  coconet::matmul_tn<float>(v_a, v_d_y, v_g_w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  // [default] matmul_nt g_a (sharded_mlp.ccn)
+  coconet::matmul_nt<float>(v_d_y, v_w2g, v_g_a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
   trace_1.end();
   coconet::trace::Unit trace_2(2);
+  // [default] matmul_tn g_w2g_part (sharded_mlp.ccn)
+  coconet::matmul_tn<float>(v_a, v_d_y, v_g_w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
   // [default] loop: g_h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -62,23 +66,27 @@ void sharded_mlp_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_2.end();
-  coconet::trace::Unit trace_3(3);
-  // [default] matmul_nt d_x (sharded_mlp.ccn)
-  coconet::matmul_nt<float>(v_g_h, v_w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
   trace_3.end();
   coconet::trace::Unit trace_4(4);
-  // [default] matmul_tn g_w1g_part (sharded_mlp.ccn)
-  coconet::matmul_tn<float>(v_x, v_g_h, v_g_w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  // [default] allgather w1g (sharded_mlp.ccn:9)
+  coconet::allgather(v_w1, v_w1g, int64_t(1), S_H, S_F, comm);
   trace_4.end();
   coconet::trace::Unit trace_5(5);
-  // [default] reducescatter d_w2 (sharded_mlp.ccn)
-  coconet::reduce_scatter(coconet::Op::sum, v_g_w2g_part, v_d_w2, int64_t(1), S_F, S_H, comm);
+  // [default] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::matmul_nt<float>(v_g_h, v_w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
   trace_5.end();
   coconet::trace::Unit trace_6(6);
+  // [default] matmul_tn g_w1g_part (sharded_mlp.ccn)
+  coconet::matmul_tn<float>(v_x, v_g_h, v_g_w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
+  // [default] reducescatter d_w2 (sharded_mlp.ccn)
+  coconet::reduce_scatter(coconet::Op::sum, v_g_w2g_part, v_d_w2, int64_t(1), S_F, S_H, comm);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [default] reducescatter d_w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_w1g_part, v_d_w1, int64_t(1), S_H, S_F, comm);
-  trace_6.end();
+  trace_8.end();
 }
 
 }  // namespace coconet_gen

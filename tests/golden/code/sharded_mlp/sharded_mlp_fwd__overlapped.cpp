@@ -18,10 +18,10 @@ void sharded_mlp_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_w1 = a.tensor<float>(1);
   float* const v_w2 = a.tensor<float>(2);
-  float* const v_w1g = a.output<float>(1);
-  float* const v_h = a.output<float>(2);
-  float* const v_a = a.output<float>(3);
-  float* const v_w2g = a.output<float>(4);
+  float* const v_w1g = coconet::scratch<float, 1>(S_H * S_F);
+  float* const v_h = a.output<float>(1);
+  float* const v_a = a.output<float>(2);
+  float* const v_w2g = coconet::scratch<float, 2>(S_F * S_H);
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [overlapped] overlap allgather w1g -> h: 2 chunks along dim 0 (pieces) (sharded_mlp.ccn:18)

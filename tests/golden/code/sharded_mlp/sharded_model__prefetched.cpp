@@ -34,10 +34,10 @@ void sharded_model__prefetched(const coconet::CallArgs& a) {
   float* const v_y__l1__y = coconet::scratch<float, 14>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_y__l2__w1 = coconet::scratch<float, 15>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   float* const v_y__l2__w2 = coconet::scratch<float, 16>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_y__l2__w1g = coconet::scratch<float, 17>(S_H * S_F);
-  float* const v_y__l2__h = coconet::scratch<float, 18>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_y__l2__a = coconet::scratch<float, 19>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_y__l2__w2g = coconet::scratch<float, 20>(S_F * S_H);
+  float* const v_y__l2__w1g = v_y__l0__w1g;  // in y__l0__w1g's memory: gathered after its last reader
+  float* const v_y__l2__h = coconet::scratch<float, 17>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__a = coconet::scratch<float, 18>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w2g = v_y__l0__w2g;  // in y__l0__w2g's memory: gathered after its last reader
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)

@@ -18,61 +18,95 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_w1 = a.tensor<float>(1);
   float* const v_w2 = a.tensor<float>(2);
-  float* const v_y__l0__w1g = a.tensor<float>(3);
-  float* const v_y__l0__h = a.tensor<float>(4);
-  float* const v_y__l0__a = a.tensor<float>(5);
-  float* const v_y__l0__w2g = a.tensor<float>(6);
-  float* const v_y__l0__y = a.tensor<float>(7);
-  float* const v_y__l1__w1g = a.tensor<float>(8);
-  float* const v_y__l1__h = a.tensor<float>(9);
-  float* const v_y__l1__a = a.tensor<float>(10);
-  float* const v_y__l1__w2g = a.tensor<float>(11);
-  float* const v_y__l1__y = a.tensor<float>(12);
-  float* const v_y__l2__w1g = a.tensor<float>(13);
-  float* const v_y__l2__h = a.tensor<float>(14);
-  float* const v_y__l2__a = a.tensor<float>(15);
-  float* const v_y__l2__w2g = a.tensor<float>(16);
-  float* const v_d_y = a.tensor<float>(17);
-  float* const v_g_y__l2__a = coconet::scratch<float, 1>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l2__w2g_part = coconet::scratch<float, 2>(S_F * S_H);
-  float* const v_g_y__l2__h = coconet::scratch<float, 3>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__y = coconet::scratch<float, 4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l2__w1g_part = coconet::scratch<float, 5>(S_H * S_F);
-  float* const v_g_y__l2__w2 = coconet::scratch<float, 6>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w2 = coconet::scratch<float, 7>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l2__w1 = coconet::scratch<float, 8>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w1 = coconet::scratch<float, 9>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__a = coconet::scratch<float, 10>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 11>(S_F * S_H);
-  float* const v_g_y__l1__h = coconet::scratch<float, 12>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__y = coconet::scratch<float, 13>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 14>(S_H * S_F);
-  float* const v_g_y__l1__w2 = coconet::scratch<float, 15>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t0_g_w22 = coconet::scratch<float, 16>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w22 = coconet::scratch<float, 17>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1 = coconet::scratch<float, 18>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t1_g_w12 = coconet::scratch<float, 19>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w12 = coconet::scratch<float, 20>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__a = coconet::scratch<float, 21>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 22>(S_F * S_H);
-  float* const v_g_y__l0__h = coconet::scratch<float, 23>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l0__h = a.tensor<float>(3);
+  float* const v_y__l0__a = a.tensor<float>(4);
+  float* const v_y__l0__y = a.tensor<float>(5);
+  float* const v_y__l1__h = a.tensor<float>(6);
+  float* const v_y__l1__a = a.tensor<float>(7);
+  float* const v_y__l1__y = a.tensor<float>(8);
+  float* const v_y__l2__h = a.tensor<float>(9);
+  float* const v_y__l2__a = a.tensor<float>(10);
+  float* const v_d_y = a.tensor<float>(11);
+  float* const v_y__l0__w1 = coconet::scratch<float, 1>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l0__w2 = coconet::scratch<float, 2>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l1__w1 = coconet::scratch<float, 3>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w2 = coconet::scratch<float, 4>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l2__w1 = coconet::scratch<float, 5>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w2 = coconet::scratch<float, 6>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_y__l2__w2g = coconet::scratch<float, 7>(S_F * S_H);
+  float* const v_g_y__l2__a = coconet::scratch<float, 8>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l2__w2g_part = coconet::scratch<float, 9>(S_F * S_H);
+  float* const v_g_y__l2__h = coconet::scratch<float, 10>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l2__w1g = coconet::scratch<float, 11>(S_H * S_F);
+  float* const v_g_y__l1__y = coconet::scratch<float, 12>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l2__w1g_part = coconet::scratch<float, 13>(S_H * S_F);
+  float* const v_g_y__l2__w2 = coconet::scratch<float, 14>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_w2 = coconet::scratch<float, 15>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l2__w1 = coconet::scratch<float, 16>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_w1 = coconet::scratch<float, 17>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
+  float* const v_g_y__l1__a = coconet::scratch<float, 18>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 19>(S_F * S_H);
+  float* const v_g_y__l1__h = coconet::scratch<float, 20>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
+  float* const v_g_y__l0__y = coconet::scratch<float, 21>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 22>(S_H * S_F);
+  float* const v_g_y__l1__w2 = coconet::scratch<float, 23>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_w22 = coconet::scratch<float, 24>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_w22 = coconet::scratch<float, 25>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l1__w1 = coconet::scratch<float, 26>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_t1_g_w12 = coconet::scratch<float, 27>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_w12 = coconet::scratch<float, 28>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
+  float* const v_g_y__l0__a = coconet::scratch<float, 29>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 30>(S_F * S_H);
+  float* const v_g_y__l0__h = coconet::scratch<float, 31>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 24>(S_H * S_F);
-  float* const v_g_y__l0__w2 = coconet::scratch<float, 25>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t2_d_w2 = coconet::scratch<float, 26>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 32>(S_H * S_F);
+  float* const v_g_y__l0__w2 = coconet::scratch<float, 33>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_t2_d_w2 = coconet::scratch<float, 34>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
   float* const v_d_w2 = a.output<float>(2);
-  float* const v_g_y__l0__w1 = coconet::scratch<float, 27>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t3_d_w1 = coconet::scratch<float, 28>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__w1 = coconet::scratch<float, 35>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_t3_d_w1 = coconet::scratch<float, 36>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   float* const v_d_w1 = a.output<float>(1);
   coconet::trace::Unit trace_0(0);
-  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
-  coconet::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  // [default] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0);
   trace_0.end();
   coconet::trace::Unit trace_1(1);
-  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
-  coconet::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  // [default] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0);
   trace_1.end();
   coconet::trace::Unit trace_2(2);
+  // [default] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1);
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
+  // [default] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1);
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
+  // [default] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2);
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
+  // [default] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2);
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
+  // [default] allgather y__l2__w2g (sharded_mlp.ccn:12)
+  coconet::allgather(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, comm);
+  trace_6.end();
+  coconet::trace::Unit trace_7(7);
+  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
+  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  trace_8.end();
+  coconet::trace::Unit trace_9(9);
   // [default] loop: g_y__l2__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -96,40 +130,48 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_2.end();
-  coconet::trace::Unit trace_3(3);
-  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
-  coconet::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_3.end();
-  coconet::trace::Unit trace_4(4);
-  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
-  coconet::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_4.end();
-  coconet::trace::Unit trace_5(5);
-  // [default] reducescatter g_y__l2__w2 (sharded_mlp.ccn)
-  coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, comm);
-  trace_5.end();
-  coconet::trace::Unit trace_6(6);
-  // [default] unindex g_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3);
-  trace_6.end();
-  coconet::trace::Unit trace_7(7);
-  // [default] reducescatter g_y__l2__w1 (sharded_mlp.ccn)
-  coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, comm);
-  trace_7.end();
-  coconet::trace::Unit trace_8(8);
-  // [default] unindex g_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3);
-  trace_8.end();
-  coconet::trace::Unit trace_9(9);
-  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
-  coconet::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
   trace_9.end();
   coconet::trace::Unit trace_10(10);
-  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
-  coconet::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  // [default] allgather y__l2__w1g (sharded_mlp.ccn:9)
+  coconet::allgather(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, comm);
   trace_10.end();
   coconet::trace::Unit trace_11(11);
+  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
+  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
+  // [default] reducescatter g_y__l2__w2 (sharded_mlp.ccn)
+  coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, comm);
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
+  // [default] unindex g_w2 (sharded_mlp.ccn)
+  coconet::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3);
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
+  // [default] reducescatter g_y__l2__w1 (sharded_mlp.ccn)
+  coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, comm);
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
+  // [default] unindex g_w1 (sharded_mlp.ccn)
+  coconet::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3);
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
+  // [default] allgather y__l1__w2g (sharded_mlp.ccn:12)
+  coconet::allgather(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, comm);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
+  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
+  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // [default] loop: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -153,24 +195,28 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_11.end();
-  coconet::trace::Unit trace_12(12);
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
+  // [default] allgather y__l1__w1g (sharded_mlp.ccn:9)
+  coconet::allgather(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, comm);
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_12.end();
-  coconet::trace::Unit trace_13(13);
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_13.end();
-  coconet::trace::Unit trace_14(14);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [default] reducescatter g_y__l1__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, comm);
-  trace_14.end();
-  coconet::trace::Unit trace_15(15);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [default] unindex t0_g_w22 (sharded_mlp.ccn)
   coconet::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3);
-  trace_15.end();
-  coconet::trace::Unit trace_16(16);
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [default] loop: g_w22 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -193,16 +239,16 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_16.end();
-  coconet::trace::Unit trace_17(17);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [default] reducescatter g_y__l1__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, comm);
-  trace_17.end();
-  coconet::trace::Unit trace_18(18);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [default] unindex t1_g_w12 (sharded_mlp.ccn)
   coconet::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3);
-  trace_18.end();
-  coconet::trace::Unit trace_19(19);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [default] loop: g_w12 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -225,16 +271,20 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_19.end();
-  coconet::trace::Unit trace_20(20);
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
+  // [default] allgather y__l0__w2g (sharded_mlp.ccn:12)
+  coconet::allgather(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, comm);
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_20.end();
-  coconet::trace::Unit trace_21(21);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_21.end();
-  coconet::trace::Unit trace_22(22);
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [default] loop: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -258,24 +308,28 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_22.end();
-  coconet::trace::Unit trace_23(23);
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
+  // [default] allgather y__l0__w1g (sharded_mlp.ccn:9)
+  coconet::allgather(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, comm);
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [default] matmul_nt d_x (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_23.end();
-  coconet::trace::Unit trace_24(24);
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_24.end();
-  coconet::trace::Unit trace_25(25);
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [default] reducescatter g_y__l0__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, comm);
-  trace_25.end();
-  coconet::trace::Unit trace_26(26);
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [default] unindex t2_d_w2 (sharded_mlp.ccn)
   coconet::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3);
-  trace_26.end();
-  coconet::trace::Unit trace_27(27);
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [default] loop: d_w2 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -298,16 +352,16 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_27.end();
-  coconet::trace::Unit trace_28(28);
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [default] reducescatter g_y__l0__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, comm);
-  trace_28.end();
-  coconet::trace::Unit trace_29(29);
+  trace_40.end();
+  coconet::trace::Unit trace_41(41);
   // [default] unindex t3_d_w1 (sharded_mlp.ccn)
   coconet::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3);
-  trace_29.end();
-  coconet::trace::Unit trace_30(30);
+  trace_41.end();
+  coconet::trace::Unit trace_42(42);
   // [default] loop: d_w1 (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -330,7 +384,7 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_30.end();
+  trace_42.end();
 }
 
 }  // namespace coconet_gen

@@ -23,6 +23,7 @@ void sharded_mlp_bwd__default(const coconet::CallArgs& a);
 void sharded_model_fwd__default(const coconet::CallArgs& a);
 void sharded_model_fwd__prefetched(const coconet::CallArgs& a);
 void sharded_model_bwd__default(const coconet::CallArgs& a);
+void sharded_model_bwd__prefetched(const coconet::CallArgs& a);
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::CallArgs>* coconet_module_entries() {
@@ -42,8 +43,9 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_model_fwd__default", &coconet_gen::sharded_model_fwd__default},
       {"sharded_model_fwd__prefetched", &coconet_gen::sharded_model_fwd__prefetched},
       {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
+      {"sharded_model_bwd__prefetched", &coconet_gen::sharded_model_bwd__prefetched},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 15};
+  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 16};
   return &entries;
 }
 
