@@ -72,6 +72,8 @@ def _every_dim_sliced(program: str, s: int, small: bool) -> dict[str, int]:
 EVERY_DIM_SLICED = {  # programs every dim of which gets sliced: their sizes (small: each the group size - 1)
     "sharded_mlp": {"B": 5, "H": 7, "F": 6},  # B (the batch), H (w1's rows), F (w2's rows); chunks of H and F
     "sharded_mlp_grad": {"B": 5, "H": 7, "F": 6},
+    "sharded_model": {"B": 5, "H": 7, "F": 6},  # the same, repeated over 3 layers (prefetch)
+    "sharded_model_grad": {"B": 5, "H": 7, "F": 6},
     "sgd_step": {"H": 7, "F": 6},  # (sharded_mlp.ccn)
 }
 

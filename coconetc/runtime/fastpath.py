@@ -170,8 +170,18 @@ class Recent:
     def __init__(self, names: tuple):
         self.names = names  # the tensor parameters (every schedule of a program has its parameters)
         self.calls: dict[tuple, Any] = {}
-        # the warm path's: (thread, schedule, keywords) -> the last call remembered with a Hot
+        # the warm path's: (thread, schedule, keywords) -> the last call remembered with a Hot;
+        # the slot of the last call it took (the same slot again: remembered by the full path)
         self.warm: dict[tuple, Any] = {}
+        self.last_warm: tuple = ((), ())
+
+    def warm_again(self, slot: tuple, kwargs: dict) -> bool:
+        """Whether a warm call passes the very buffers of the last warm call (then it goes the
+        full way, which remembers them for the hot path); remembers this one's, weakly."""
+        was, refs = self.last_warm
+        again = slot == was and all(r() is kwargs.get(n) for n, r in zip(self.names, refs))
+        self.last_warm = ((), ()) if again else (slot, tuple(weakref.ref(kwargs[n]) for n in self.names))
+        return again
 
     def slot(self, schedule, kwargs: dict, *extra) -> tuple:
         """Where a call with these buffers is kept (hashing EXTRA may raise TypeError)."""

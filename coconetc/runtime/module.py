@@ -179,7 +179,8 @@ class ProgramFunction:
         return programs.program_of(self, label)
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
-        fast = self.recent.get(self.recent.slot(schedule, kwargs))
+        slot = self.recent.slot(schedule, kwargs)
+        fast = self.recent.get(slot)
         if fast is not None and fast.hot is not None and fast.config is not None and trace.active() is None:
             # the hot path: the same NumPy buffers as an agreed call; one round of 64 bytes
             got = hot_check(fast.hot, comm, groups, kwargs)
@@ -189,10 +190,15 @@ class ProgramFunction:
                     return run_hot(self.ext, fast, hot, got[0], kwargs)
                 return self._call(schedule, comm, groups, kwargs, True)
         warm = self.recent.warm.get((get_ident(), schedule, tuple(kwargs)))
-        if warm is not None and warm.config is not None and warm.run is not None and trace.active() is None:
-            # the warm path: new buffers like an agreed call's; the same round of 64 bytes
+        if warm is not None and warm.hot is not None and warm.config is not None and warm.run is not None \
+                and trace.active() is None:
+            # the warm path: new buffers like an agreed call's; the same round of 64 bytes. The
+            # same buffers twice in a row (a training loop's) go the full way once, which
+            # remembers them for the hot path
             hot = warm.hot
             new = warm_check(hot, comm, groups, kwargs)
+            if new is not None and self.recent.warm_again(slot, kwargs):
+                return self._call(schedule, comm, groups, kwargs, False)
             if new is not None:
                 if hot.channel.agreed(warm.config, new[2], groups, hot.what, hot.limit, time.monotonic()):
                     return run_warm(self.ext, warm, hot, new[0], new[1], kwargs)
