@@ -259,9 +259,7 @@ def hot_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None
     """The scalars (as the module takes them) and their record bits when the call passes the
     same arrays, unchanged, as the call `hot` was made for, on the same communicator and
     groups, with scalars of the plain Python types; None otherwise (the general path runs)."""
-    if (comm if comm is not None else hot.world) is not hot.comm or hot.comm.py2f() != hot.handle \
-            or type(groups) is not int or groups != hot.groups or len(kwargs) != hot.nkw \
-            or agree.timeout_raw() != hot.timeout_raw:
+    if not _same_setting(hot, comm, groups, kwargs):
         return None
     for name, a, shape, strides, dtype, writeable in hot.arrays:
         v = kwargs.get(name)
@@ -270,11 +268,7 @@ def hot_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None
             return None
     if hot.torch and not hot_torch(hot, kwargs):
         return None
-    vals: list = []
-    try:
-        return hot_scalars(hot, kwargs, vals)
-    except (OverflowError, struct.error):
-        return None  # out of range: the general path rounds it as NumPy does, or says why
+    return _scalars(hot, kwargs)
 
 
 def warm_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, list, bytes] | None:
@@ -283,23 +277,40 @@ def warm_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, list, bytes]
     checked as the full path would, without a NumPy view of a tensor), no two overlapping, on the
     same communicator and groups, with scalars of the plain Python types; None otherwise (the
     general path runs, and says what is wrong)."""
-    if (comm if comm is not None else hot.world) is not hot.comm or hot.comm.py2f() != hot.handle \
-            or type(groups) is not int or groups != hot.groups or len(kwargs) != hot.nkw \
-            or agree.timeout_raw() != hot.timeout_raw:
+    if not _same_setting(hot, comm, groups, kwargs) or not _grad_ok(hot):
         return None
     ptrs = _warm_buffers(hot, kwargs)
     if ptrs is None:
         return None
+    got = _scalars(hot, kwargs)
+    return None if got is None else (ptrs, got[0], got[1])
+
+
+def _same_setting(hot: Hot, comm, groups, kwargs: dict) -> bool:
+    """The call is on the communicator and groups of the call `hot` was made for, with as many
+    keywords, under the COCONET_TIMEOUT it read (the hot and the warm path's first check)."""
+    return (comm if comm is not None else hot.world) is hot.comm and hot.comm.py2f() == hot.handle \
+        and type(groups) is int and groups == hot.groups and len(kwargs) == hot.nkw \
+        and agree.timeout_raw() == hot.timeout_raw
+
+
+def _grad_ok(hot: Hot) -> bool:
+    """No tensor the call updates requires grad while grad mode is on (the general path raises
+    for that, as PyTorch does)."""
     if hot.grad_check:
         import torch
-        if torch.is_grad_enabled():
-            return None
+        return not torch.is_grad_enabled()
+    return True
+
+
+def _scalars(hot: Hot, kwargs: dict) -> tuple[list, bytes] | None:
+    """hot_scalars, or None where a value is out of its dtype's range (the general path rounds
+    it as NumPy does, or says why)."""
     vals: list = []
     try:
-        got = hot_scalars(hot, kwargs, vals)
+        return hot_scalars(hot, kwargs, vals)
     except (OverflowError, struct.error):
         return None
-    return None if got is None else (ptrs, got[0], got[1])
 
 
 def _warm_buffers(hot: Hot, kwargs: dict) -> list[int] | None:
@@ -351,10 +362,7 @@ def hot_torch(hot: Hot, kwargs: dict) -> bool:
         if t() is not v or v.shape != shape or v.stride() != stride or v.dtype is not dtype \
                 or v.data_ptr() != ptr or v.requires_grad != grad:
             return False
-    if hot.grad_check:
-        import torch
-        return not torch.is_grad_enabled()
-    return True
+    return _grad_ok(hot)
 
 
 def run_warm(ext: Any, rec: RecentCall, hot: Hot, ptrs: list, vals: list, kwargs: dict):
@@ -363,7 +371,7 @@ def run_warm(ext: Any, rec: RecentCall, hot: Hot, ptrs: list, vals: list, kwargs
     args = ext.CallArgs()
     args.tensors = ptrs
     args.seg_ptrs = [[] for _ in ptrs]
-    args.sizes = [rec.sizes[s] for s in sorted(rec.sizes)]
+    args.sizes = marshal.ordered_sizes(rec.sizes)
     args.comm, args.groups, args.fused = hot.c_comm, hot.groups, hot.fused
     if shm.WINDOWS:
         args.windows = shm.WINDOWS

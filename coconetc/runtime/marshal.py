@@ -87,11 +87,16 @@ def updated(p: Program) -> frozenset:
     return _io(p)[1]
 
 
+def ordered_sizes(sizes: dict) -> list[int]:
+    """The size symbols' values as the module takes them: sorted by name (CallArgs::sizes)."""
+    return [sizes[s] for s in sorted(sizes)]
+
+
 def scalars(args: Any, p: Program, values: dict, sizes: dict | None) -> None:
     """The size symbols (sorted by name; None: a repeat's, already set) and the scalars (floats
     and integers apart)."""
     if sizes is not None:
-        args.sizes = [sizes[s] for s in sorted(sizes)]
+        args.sizes = ordered_sizes(sizes)
     floats: list[float] = []
     ints: list[int] = []
     for q in p.params:  # (one pass: a training step's host time counts)

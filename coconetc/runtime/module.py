@@ -197,9 +197,9 @@ class ProgramFunction:
             # remembers them for the hot path
             hot = warm.hot
             new = warm_check(hot, comm, groups, kwargs)
-            if new is not None and self.recent.warm_again(slot, kwargs):
-                return self._call(schedule, comm, groups, kwargs, False)
             if new is not None:
+                if self.recent.warm_again(slot, kwargs):
+                    return self._call(schedule, comm, groups, kwargs, False)
                 if hot.channel.agreed(warm.config, new[2], groups, hot.what, hot.limit, time.monotonic()):
                     return run_warm(self.ext, warm, hot, new[0], new[1], kwargs)
                 return self._call(schedule, comm, groups, kwargs, True)
