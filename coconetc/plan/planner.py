@@ -627,6 +627,18 @@ class _Planner:
         partials: tuple[str, ...] = ()
         if op_of(coll).op == "reducescatter":
             after, phases, partials = self._partials(f, after, phases, lets, overlapped)
+            if (store_reduced and self.p.param(x) is None and not self._needed_after(coll.name, f.fusion.stages)
+                    and not any(coll.name in _unit_reads(a) for a in after
+                                if not (isinstance(a, Reduce) and a.dst in partials))):
+                # the reduction of a value the program computes (a weight gradient that an update
+                # inside the backward reduce-scatters), read after the chunks only by reductions
+                # accumulated chunk by chunk: not kept, so that no rank stores the gradient (CUDA's
+                # one-kernel symmetric path, which reads it after, is then not taken). A
+                # parameter's (an optimizer step's gradient) is kept for that path.
+                store_reduced = False
+                self._buffer(coll.name, coll.type, "register", line=_line(coll.span))
+                phases = [Phase(ph.kind, items) for ph in phases
+                          if (items := tuple(i for i in ph.items if i.name != coll.name))]
         gather_after = _gather_after(after, coll.type, self.buffers) if partials else ""
         if gather_after:
             self._gathered_in_place(after)

@@ -312,13 +312,17 @@ def _cuda(u: Fused, kinds: dict[str, str], overlapped: bool) -> Strategy:
 def _symmetric_ok(u: Fused, kinds: dict[str, str]) -> bool:
     """Can the fused unit also run as one kernel over symmetric memory (symmetric.cuh)? A
     reduce-scatter along dim 0 of a contiguous tensor, pointwise phases only; a reduced value
-    that is kept is kept in scratch (the kernel's `keep` buffer)."""
+    that is kept is kept in scratch (the kernel's `keep` buffer), and one that a reduction
+    accumulated chunk by chunk reads is kept (the kernel has no chunks: the reduction reads it
+    after)."""
     refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
     scattered = {n for n, k in kinds.items() if k == "segments"}
     return (u.op == "reducescatter" and u.type.layout.dim == 0 and u.rows is None
             and u.reduce in ("sum", "avg", "max", "min") and all(p.kind == "pointwise" for p in u.phases)
             and not ({u.src, u.gather} | refs) & scattered
-            and (not u.store_reduced or kinds[u.collective] == "scratch"))
+            and (not u.store_reduced or kinds[u.collective] == "scratch")
+            and (u.store_reduced or not any(isinstance(a, Reduce) and a.dst in u.partials and a.src == u.collective
+                                            for a in u.after)))
 
 
 # --- what each target does not implement ----------------------------------------------------

@@ -141,7 +141,10 @@ class _Verifier:
         if u.store_reduced:
             self.write([u.collective])
         for a in u.after:
-            self.unit(a)
+            if isinstance(a, Reduce) and a.dst in u.partials and a.src in local:
+                self.write([a.dst])  # accumulated from each chunk as it passes (Fused.partials)
+            else:
+                self.unit(a)
 
     def items_fused(self, u: Fused, local: set[str], where: str) -> None:
         for ph in u.phases:

@@ -333,13 +333,17 @@ def _moved_and_fused(p: Program, rs: str, ag: str, stages: list[str], members: t
 
 
 def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:
-    """Reorder stages so that the group's members are adjacent (valid by convexity)."""
+    """Reorder stages so that the group's members are adjacent (valid by convexity), as early
+    as what they read allows: a stage between them that no member reads (directly or not) runs
+    after them (so a derived program's reduce-scatter fused with an update runs where the
+    backward makes its gradient, not after the rest of the backward)."""
     deps = depends_on(p)
     idx = [i for i, s in enumerate(p.stages) if s.name in group]
     first, last = idx[0], idx[-1]
     middle = p.stages[first:last + 1]
-    before = [s for s in middle if s.name not in group and not deps[s.name] & group]
-    after = [s for s in middle if s.name not in group and deps[s.name] & group]
+    read = set().union(*(deps[s.name] for s in middle if s.name in group))
+    before = [s for s in middle if s.name not in group and s.name in read]
+    after = [s for s in middle if s.name not in group and s.name not in read]
     members = [s for s in middle if s.name in group]
     return p.stages[:first] + tuple(before + members + after) + p.stages[last + 1:]
 
