@@ -22,7 +22,7 @@ from coconetc.frontend.checker import check_program
 from coconetc.frontend.defs import Scope, check_defs, programs_of
 from coconetc.frontend.parser import parse
 from coconetc.ir import ops
-from coconetc.ir.nodes import Program
+from coconetc.ir.nodes import Op, Program, walk
 from coconetc.ir.ops import OpDef
 from coconetc.paths import imported_texts
 from coconetc.plan import Plan, plan_program
@@ -288,6 +288,54 @@ def _add_derived(mod: SourceFile, ir: Program, program: str, base: str) -> None:
         mod.schedules[ir.name][sname] = ScheduleIR(sname, ir.name, sched.directives, again)
 
 
+DERIVED_CALLS = {"_grad": "the derived program", "_bwd": "the backward of the training cut"}
+
+
+def _derived_callees(prog: syntax.Program, scope: Scope, stack: tuple[str, ...]) -> None:
+    """A program may call the derived program of another, `q_grad(...)` (or the backward of its
+    training cut, `q_bwd(...)`), by the name the file gives it (docs/language.md, "Calling
+    programs"): each such callee is derived here from q's checked IR, printed and read back as a
+    program of the scope, and then inlined by the checker as any called program is."""
+    from coconetc.frontend.calls import is_call
+    from coconetc.ir.printer import program as printed
+    for stmt in prog.body:
+        call = getattr(stmt, "value", None)
+        if not isinstance(call, syntax.Call) or call.fn in scope.programs or is_call(call, scope):
+            continue
+        if ops.called(call.fn) is not None or ops.arities(call.fn) or call.fn in scope.defs:
+            continue
+        q, suffix = next(((call.fn[:-len(k)], k) for k in DERIVED_CALLS if call.fn.endswith(k)), ("", ""))
+        if q not in scope.programs:
+            continue
+        if q in stack:
+            raise CompileError.at(call.fn_span, f"recursive call: {' -> '.join(stack)} -> {call.fn} "
+                                  f"({DERIVED_CALLS[suffix]} of '{q}')")
+        _derived_callees(scope.programs[q], scope, (*stack, q))
+        ir = vjp(check_program(scope.programs[q], scope), name=grad_name(q))
+        if any(isinstance(n, Op) and ops.get(n.op).kind == "random" for st in ir.stages for n in walk(st.expr)):
+            raise CompileError.at(call.fn_span, f"{call.fn}(): {DERIVED_CALLS[suffix]} of '{q}' draws random "
+                                  "numbers (dropout), whose masks are keyed by its own stages' names, not the "
+                                  f"call's: it cannot be called yet; run it from Python (coconetc.load(file, "
+                                  f"grad=['{q}']).{call.fn})")
+        if suffix == "_bwd":
+            ir = split(check_program(scope.programs[q], scope), ir).backward
+        tree = parse(printed(ir), f"<{call.fn}: {DERIVED_CALLS[suffix]} of {q}>")
+        scope.programs[call.fn] = _at(tree.programs[0], call.span)
+
+
+def _at(node, span):
+    """A syntax tree read from text the compiler printed, every span at SPAN (the call that
+    inlines it: its stages' lines in a plan, its errors at the call)."""
+    from dataclasses import fields, is_dataclass
+    if isinstance(node, tuple):
+        return tuple(_at(x, span) for x in node)
+    if not is_dataclass(node) or isinstance(node, type):
+        return node
+    changes = {f.name: span if f.type in ("Span", "Span | None") and getattr(node, f.name) is not None
+               else _at(getattr(node, f.name), span) for f in fields(node)}
+    return replace(node, **changes)
+
+
 def _collect(errors: list[Diagnostic], fn, *args) -> None:
     try:
         fn(*args)
@@ -305,6 +353,7 @@ def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Progra
              scope: Scope) -> None:
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
+    _derived_callees(prog, scope, (prog.name,))
     ir = check_program(prog, scope)
     mod.plans[(prog.name, DEFAULT)] = plan_program(ir)  # raises where no backend can run it
     mod.programs[prog.name] = ir

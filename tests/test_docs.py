@@ -156,6 +156,10 @@ EXEMPT = {
                    "sliced(1)) {"): "an excerpt of examples/sharded_mlp.ccn (EXCERPTS)",
     ("sharded.md", "  L40   library y__l0__w1 = index(w1, i=0)"):
         "program output (the plan above; OUTPUTS)",
+    ("sharded.md", "program sharded_adamw(x: f32[B, H] sliced(0), w1: f32[H, F] sliced(0), w2: f32[F, H] "
+                   "sliced(0),"): "an excerpt of examples/sharded_mlp.ccn (EXCERPTS)",
+    ("sharded.md", "  L66   library d_x__g_w2g_part = matmul_tn(d_x__a, d_y)"):
+        "program output (the plan above; OUTPUTS)",
     ("train_gpt.md", "python examples/train_gpt.py --mode tp --ranks 2           # tensor parallelism on 2 ranks"):
         "tests/test_train_gpt.py runs each mode (tp, sp on 2 ranks; tp_dp, pp_tp on 4) at tiny sizes",
     ("train_gpt.md", "== sp: gpt_block_sp on 4 ranks, sequence parallel over 4 ranks; schedule overlapped, grad "
@@ -194,6 +198,8 @@ EXCERPTS = {
     ("sharded.md", "schedule overlapped for grad(sharded_mlp) {"): "examples/sharded_mlp.ccn",
     ("sharded.md", "program sharded_model(x: f32[B, H] sliced(0), w1: f32[3, H, F] sliced(1), w2: f32[3, F, H] "
                    "sliced(1)) {"): "examples/sharded_mlp.ccn",
+    ("sharded.md", "program sharded_adamw(x: f32[B, H] sliced(0), w1: f32[H, F] sliced(0), w2: f32[F, H] "
+                   "sliced(0),"): "examples/sharded_mlp.ccn",
 }
 
 # The ```text blocks that are a command's output, or a part of it (test_outputs_are_the_commands).
@@ -207,6 +213,8 @@ OUTPUTS = {
     ("sharded.md", "    w2g = allgather(w2)"): ["show", "examples/sharded_mlp.ccn", "-p", "sharded_mlp", "--grad"],
     ("sharded.md", "  L40   library y__l0__w1 = index(w1, i=0)"):
         ["show", "examples/sharded_mlp.ccn", "-p", "sharded_model", "-s", "prefetched", "--format", "plan"],
+    ("sharded.md", "  L66   library d_x__g_w2g_part = matmul_tn(d_x__a, d_y)"):
+        ["show", "examples/sharded_mlp.ccn", "-p", "sharded_adamw", "-s", "in_backward", "--format", "plan"],
 }
 
 # What a ```python fragment uses that its page leaves to the reader, keyed by (page, the block's

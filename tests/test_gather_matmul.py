@@ -47,7 +47,8 @@ PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["d
             "fed_grad": ["default", "both"], "qk_grad": ["default", "sum"], "rowsum": ["default", "sum"],
             "fsdp": ["default", "pieces", "cols"], "fsdp_grad": ["default", "both", "cols"], "fsdp_cols": ["default", "rows"],
             "fsdp_cols_grad": ["default", "both"], "bcw": ["default", "rows"],
-            "fsdp_model": ["default", "next", "one", "ov"], "fsdp_model_grad": ["default", "next"]}
+            "fsdp_model": ["default", "next", "one", "ov"], "fsdp_model_grad": ["default", "next"],
+            "fsdp_adam": ["default", "fused"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
     3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
@@ -308,6 +309,60 @@ def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_progr
         for pub in want[r].outputs:
             np.testing.assert_allclose(got[r].outputs[pub], want[r].outputs[pub], rtol=1e-12, atol=1e-13,
                                        err_msg=f"{pub} on rank {r}")
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded_mlp.ccn"
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_adamw_inside_the_backward_matches_torch(ranks):
+    """examples/sharded_mlp.ccn's sharded_adamw (it calls sharded_mlp's derived program by name,
+    then AdamW on each rank's slices) under its in_backward schedule (each update fused into its
+    gradient's reduce-scatter, placed right after the GEMM that makes the gradient), two steps
+    under the interpreter in f64, the second clipped by the first's norm: against torch.autograd
+    and torch.optim.AdamW on the whole weights, and torch's total gradient norm."""
+    torch = pytest.importorskip("torch")
+    mod = load_source(EXAMPLE.read_text().replace("f32", "f64"), "sharded_mlp.ccn")
+    prog = mod.schedule("sharded_adamw", "in_backward").ir
+    order = [u.name if hasattr(u, "members") else getattr(u, "dst", "") for u in mod.plans[("sharded_adamw",
+                                                                                            "in_backward")].units]
+    assert order.index("upd2") == order.index("d_x__g_w2g_part") + 1, order  # w2's update before w1's backward
+    assert order.index("upd1") == order.index("d_x__g_w1g_part") + 1, order
+    B, H, F = 7, 5, 6
+    rng = np.random.default_rng(ranks)
+    x, d_y = rng.standard_normal((B, H)), rng.standard_normal((B, H))
+    w1, w2 = rng.standard_normal((H, F)) * 0.5, rng.standard_normal((F, H)) * 0.5
+    hp = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, wd=0.1)
+    tw1, tw2 = (torch.tensor(w, requires_grad=True) for w in (w1, w2))
+    opt = torch.optim.AdamW([tw1, tw2], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["wd"])
+    cut = lambda a, r: a[slice(*slice_range(a.shape[0], ranks, r))].copy()  # noqa: E731
+    state = [{"w1": cut(w1, r), "w2": cut(w2, r), **{k: np.zeros_like(cut(a, r)) for k, a in
+                                                      (("m1", w1), ("v1", w1), ("m2", w2), ("v2", w2))}}
+             for r in range(ranks)]
+    clip, maxnorm = 1.0, 0.5
+    for step in (1, 2):
+        tx = torch.tensor(x, requires_grad=True)
+        y = torch.nn.functional.gelu(tx @ tw1) @ tw2
+        opt.zero_grad()
+        y.backward(torch.tensor(d_y))
+        norm = torch.nn.utils.clip_grad_norm_([tw1, tw2], float("inf")).item()
+        for t in (tw1, tw2):
+            t.grad.mul_(clip)  # the factor from the previous step's norm
+        opt.step()
+        res = run(prog, [{**state[r], "x": cut(x, r), "d_y": cut(d_y, r), "clip": clip, "step": float(step), **hp}
+                         for r in range(ranks)])
+        np.testing.assert_allclose(np.concatenate([r.outputs["d_x"] for r in res]), tx.grad.numpy(), rtol=1e-10)
+        assert all(abs(float(r.outputs["gnorm"]) - norm) <= 1e-10 * norm for r in res), (norm, res[0].outputs)
+        for r in range(ranks):
+            state[r].update({k: res[r].updates[k] for k in state[r]})
+        for name, t in (("w1", tw1), ("w2", tw2)):
+            got = {k: np.concatenate([state[r][k] for r in range(ranks)]) for k in (name, "m" + name[1], "v" + name[1])}
+            np.testing.assert_allclose(got[name], t.detach().numpy(), rtol=1e-10, err_msg=f"{name}, step {step}")
+            np.testing.assert_allclose(got["m" + name[1]], opt.state[t]["exp_avg"].numpy(), rtol=1e-10)
+            np.testing.assert_allclose(got["v" + name[1]], opt.state[t]["exp_avg_sq"].numpy(), rtol=1e-10)
+        clip = min(maxnorm / (norm + 1e-6), 1.0)
+    assert clip < 1.0  # (the second step was clipped)
 
 
 def _refused_at(program: str, directive: str, where: str, message: str) -> None:

@@ -244,6 +244,11 @@ ERRORS = [
     ("update", "program k(x: f32[N] replicated, w: f32[N] replicated) {\n    w1 = update(w, x)\n    return x\n}\n"
      "program g(x: f32[N] replicated) {\n    y = k(x, x)\n    return y\n}\n",
      12, 9, "a called program may not update its parameters"),
+    ("own derived program", "program g(x: f32[N] replicated) {\n    y = exp(x)\n    d = g_grad(x, y)\n"
+     "    return y\n}\n", 9, 9, "recursive call: g -> g_grad (the derived program of 'g')"),
+    ("random derived program", "program k(x: f32[N] replicated, seed: i64) {\n    y = dropout(x, 0.5, seed)\n"
+     "    return y\n}\nprogram g(x: f32[N] replicated) {\n    d = k_grad(x, 1, x)\n    return d\n}\n",
+     12, 9, "draws random numbers (dropout)"),
 ]
 
 
@@ -253,6 +258,24 @@ def test_call_errors_at_line_and_column(source, line, col, fragment):
         load_source(BLK + "\n" + source)
     found = [(d.span.line, d.span.col, d.message) for d in e.value.diagnostics]
     assert any((d.span.line, d.span.col) == (line, col) and fragment in d.message for d in e.value.diagnostics), found
+
+
+def test_a_program_calls_a_derived_program_by_its_name():
+    """`f_grad(...)` and `f_bwd(...)` in a program (the derived program of f and the backward of
+    its training cut, by the names the file gives them) are inlined as any call: the
+    interpreter's results against NumPy, whichever of f and its caller comes first."""
+    f = BLK.replace("y = t + s", "y = exp(t) + s")
+    g = ("program g(x: f64[N] replicated, w: f64[N] replicated, d: f64[N] replicated) {\n"
+         "    d_x, d_w = f_grad(x, w, 1.5, d)\n    b_x, b_w = f_bwd(x, w, 1.5, x * w, d)\n"
+         "    z = d_x * d_w + b_x - b_w\n    return z\n}\n")
+    rng = np.random.default_rng(0)
+    x, w, d = (rng.standard_normal(5) for _ in range(3))
+    gx, gw = d * np.exp(x * w) * w, d * np.exp(x * w) * x
+    for text in (f + g, g + f):
+        mod = load_source(text.replace("f32", "f64"))
+        [res] = run(mod.programs["g"], [{"x": x, "w": w, "d": d}])
+        np.testing.assert_allclose(res.outputs["z"], gx * gw + gx - gw, rtol=1e-13)
+    assert [s.name for s in mod.programs["g"].stages][:2] == ["d_x__t", "d_x__y_exp"]  # (named by the call)
 
 
 def test_stacked_dims_that_disagree():

@@ -75,6 +75,7 @@ EVERY_DIM_SLICED = {  # programs every dim of which gets sliced: their sizes (sm
     "sharded_model": {"B": 5, "H": 7, "F": 6},  # the same, repeated over 3 layers (prefetch)
     "sharded_model_grad": {"B": 5, "H": 7, "F": 6},
     "sgd_step": {"H": 7, "F": 6},  # (sharded_mlp.ccn)
+    "sharded_adamw": {"B": 5, "H": 7, "F": 6},  # (sharded_mlp.ccn: AdamW inside the backward)
 }
 
 

@@ -689,6 +689,614 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_26.end();
 }
 
+// program sharded_adamw, schedule default (sharded_mlp.ccn)
+void sharded_adamw__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_d_y = a.tensor<float>(3);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_m1 = a.tensor<float>(4);
+  COCONET_PARAM(v_m1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_m1), "m1", stream);
+  float* const v_v1 = a.tensor<float>(5);
+  COCONET_PARAM(v_v1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_v1), "v1", stream);
+  float* const v_m2 = a.tensor<float>(6);
+  COCONET_PARAM(v_m2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_m2), "m2", stream);
+  float* const v_v2 = a.tensor<float>(7);
+  COCONET_PARAM(v_v2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_v2), "v2", stream);
+  const coconet::cuda::Scalar<float> v_clip{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_lr{float(a.scalars[1])};
+  const coconet::cuda::Scalar<float> v_beta1{float(a.scalars[2])};
+  const coconet::cuda::Scalar<float> v_beta2{float(a.scalars[3])};
+  const coconet::cuda::Scalar<float> v_eps{float(a.scalars[4])};
+  const coconet::cuda::Scalar<float> v_wd{float(a.scalars[5])};
+  const coconet::cuda::Scalar<float> v_step{float(a.scalars[6])};
+  float* const v_d_x__w1g = coconet::cuda::scratch<float>(1, S_H * S_F);
+  COCONET_BUFFER(v_d_x__w1g, size_t(S_H * S_F) * sizeof(*v_d_x__w1g), "d_x__w1g");
+  float* const v_d_x__h = coconet::cuda::scratch<float>(2, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__h), "d_x__h");
+  float* const v_d_x__a = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__a), "d_x__a");
+  float* const v_d_x__w2g = coconet::cuda::scratch<float>(4, S_F * S_H);
+  COCONET_BUFFER(v_d_x__w2g, size_t(S_F * S_H) * sizeof(*v_d_x__w2g), "d_x__w2g");
+  float* const v_d_x__g_a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__g_a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__g_a), "d_x__g_a");
+  float* const v_d_x__g_w2g_part = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_d_x__g_w2g_part, size_t(S_F * S_H) * sizeof(*v_d_x__g_w2g_part), "d_x__g_w2g_part");
+  float* const v_d_x__g_h = coconet::cuda::scratch<float>(7, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__g_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__g_h), "d_x__g_h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_d_x__g_w1g_part = coconet::cuda::scratch<float>(8, S_H * S_F);
+  COCONET_BUFFER(v_d_x__g_w1g_part, size_t(S_H * S_F) * sizeof(*v_d_x__g_w1g_part), "d_x__g_w1g_part");
+  float* const v_d_w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_d_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2");
+  float* const v_n2 = coconet::cuda::scratch<float>(10, int64_t(1));
+  COCONET_BUFFER(v_n2, size_t(int64_t(1)) * sizeof(*v_n2), "n2");
+  float* const v_m2n = v_m2;  // updates m2 in place
+  float* const v_v2n = v_v2;  // updates v2 in place
+  float* const v_w2n = v_w2;  // updates w2 in place
+  float* const v_d_w1 = coconet::cuda::scratch<float>(11, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1");
+  float* const v_n1 = coconet::cuda::scratch<float>(12, int64_t(1));
+  COCONET_BUFFER(v_n1, size_t(int64_t(1)) * sizeof(*v_n1), "n1");
+  float* const v_m1n = v_m1;  // updates m1 in place
+  float* const v_v1n = v_v1;  // updates v1 in place
+  float* const v_w1n = v_w1;  // updates w1 in place
+  float* const v_gnorm = a.output<float>(1);
+  COCONET_PARAM(v_gnorm, size_t(int64_t(1)) * sizeof(*v_gnorm), "gnorm", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] allgather d_x__w1g (NCCL) (sharded_mlp.ccn:66)
+  coconet::cuda::allgather<float>(v_w1, v_d_x__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] matmul d_x__h (sharded_mlp.ccn:66)
+  coconet::cuda::matmul<float>(v_x, v_d_x__w1g, v_d_x__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] kernel: d_x__a (sharded_mlp.ccn:66)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_d_x__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_x__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_d_x__h, v_d_x__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_x__h = coconet::cuda::load<4>(v_d_x__h + i0);
+        coconet::cuda::Vec<float, 4> out_d_x__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_x__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_d_x__h[u])));
+          out_d_x__a[u] = coconet::from_compute<float>(x_d_x__a);
+        }
+        coconet::cuda::store<4>(v_d_x__a + i0, out_d_x__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_x__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_d_x__h[i])));
+        v_d_x__a[i] = coconet::from_compute<float>(x_d_x__a);
+      }
+    });
+  }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] allgather d_x__w2g (NCCL) (sharded_mlp.ccn:66)
+  coconet::cuda::allgather<float>(v_w2, v_d_x__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] matmul_nt d_x__g_a (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_d_x__w2g, v_d_x__g_a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] matmul_tn d_x__g_w2g_part (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_tn<float>(v_d_x__a, v_d_y, v_d_x__g_w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] kernel: d_x__g_h (sharded_mlp.ccn:66)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_d_x__g_a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_d_x__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_d_x__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_x__g_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_d_x__g_a, v_d_x__h, v_d_x__a, v_d_x__g_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_x__g_a = coconet::cuda::load<4>(v_d_x__g_a + i0);
+        const auto in_d_x__h = coconet::cuda::load<4>(v_d_x__h + i0);
+        const auto in_d_x__a = coconet::cuda::load<4>(v_d_x__a + i0);
+        coconet::cuda::Vec<float, 4> out_d_x__g_h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_x__g_h = coconet::round_to<float>(coconet::to_compute(in_d_x__g_a[u]) * (((coconet::to_compute(in_d_x__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_d_x__a[u]) / ((coconet::to_compute(in_d_x__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_d_x__h[u]))))) + coconet::to_compute(in_d_x__h[u]) * (std::exp(coconet::to_compute(in_d_x__h[u]) * coconet::to_compute(in_d_x__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_d_x__g_h[u] = coconet::from_compute<float>(x_d_x__g_h);
+        }
+        coconet::cuda::store<4>(v_d_x__g_h + i0, out_d_x__g_h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_x__g_h = coconet::round_to<float>(coconet::to_compute(v_d_x__g_a[i]) * (((coconet::to_compute(v_d_x__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_d_x__a[i]) / ((coconet::to_compute(v_d_x__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_d_x__h[i]))))) + coconet::to_compute(v_d_x__h[i]) * (std::exp(coconet::to_compute(v_d_x__h[i]) * coconet::to_compute(v_d_x__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_d_x__g_h[i] = coconet::from_compute<float>(x_d_x__g_h);
+      }
+    });
+  }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] matmul_nt d_x (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_nt<float>(v_d_x__g_h, v_d_x__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] matmul_tn d_x__g_w1g_part (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_tn<float>(v_x, v_d_x__g_h, v_d_x__g_w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] reducescatter d_w2 (NCCL) (sharded_mlp.ccn:66)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_d_x__g_w2g_part, v_d_w2, int64_t(1), S_F, S_H, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] reduce n2 = norm(d_w2) (sharded_mlp.ccn:67)
+  coconet::cuda::reduce_sum<float, true>(v_d_w2, v_n2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, true, ctx, 13);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] kernel: m2n, v2n, w2n (sharded_mlp.ccn:68)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_m2, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_d_w2, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_v2, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_w2, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_m2n, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_v2n, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_w2n, 0, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_m2, v_d_w2, v_v2, v_w2, v_m2n, v_v2n, v_w2n), stream, [=] __device__ (const auto& th) {
+      const float k0_m2n = coconet::to_compute(v_beta1[0]);
+      const float k1_m2n = (1.0f - coconet::to_compute(v_beta1[0])) * coconet::to_compute(v_clip[0]);
+      const float k2_v2n = coconet::to_compute(v_beta2[0]);
+      const float k3_v2n = (1.0f - coconet::to_compute(v_beta2[0])) * coconet::to_compute(v_clip[0]) * coconet::to_compute(v_clip[0]);
+      const float k4_w2n = coconet::to_compute(v_lr[0]);
+      const float k5_w2n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
+      const float k6_w2n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
+      const float k7_w2n = coconet::to_compute(v_eps[0]);
+      const float k8_w2n = coconet::to_compute(v_wd[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_m2 = coconet::cuda::load<4>(v_m2 + i0);
+        const auto in_d_w2 = coconet::cuda::load<4>(v_d_w2 + i0);
+        const auto in_v2 = coconet::cuda::load<4>(v_v2 + i0);
+        const auto in_w2 = coconet::cuda::load<4>(v_w2 + i0);
+        coconet::cuda::Vec<float, 4> out_m2n, out_v2n, out_w2n;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_m2n = coconet::round_to<float>(k0_m2n * coconet::to_compute(in_m2[u]) + k1_m2n * coconet::to_compute(in_d_w2[u]));
+          out_m2n[u] = coconet::from_compute<float>(x_m2n);
+          const float x_v2n = coconet::round_to<float>(k2_v2n * coconet::to_compute(in_v2[u]) + k3_v2n * coconet::to_compute(in_d_w2[u]) * coconet::to_compute(in_d_w2[u]));
+          out_v2n[u] = coconet::from_compute<float>(x_v2n);
+          const float x_w2n = coconet::round_to<float>(coconet::to_compute(in_w2[u]) - k4_w2n * (x_m2n / k5_w2n / (std::sqrt(x_v2n / k6_w2n) + k7_w2n) + k8_w2n * coconet::to_compute(in_w2[u])));
+          out_w2n[u] = coconet::from_compute<float>(x_w2n);
+        }
+        coconet::cuda::store<4>(v_m2n + i0, out_m2n);
+        coconet::cuda::store<4>(v_v2n + i0, out_v2n);
+        coconet::cuda::store<4>(v_w2n + i0, out_w2n);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_m2n = coconet::round_to<float>(k0_m2n * coconet::to_compute(v_m2[i]) + k1_m2n * coconet::to_compute(v_d_w2[i]));
+        v_m2n[i] = coconet::from_compute<float>(x_m2n);
+        const float x_v2n = coconet::round_to<float>(k2_v2n * coconet::to_compute(v_v2[i]) + k3_v2n * coconet::to_compute(v_d_w2[i]) * coconet::to_compute(v_d_w2[i]));
+        v_v2n[i] = coconet::from_compute<float>(x_v2n);
+        const float x_w2n = coconet::round_to<float>(coconet::to_compute(v_w2[i]) - k4_w2n * (x_m2n / k5_w2n / (std::sqrt(x_v2n / k6_w2n) + k7_w2n) + k8_w2n * coconet::to_compute(v_w2[i])));
+        v_w2n[i] = coconet::from_compute<float>(x_w2n);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] reducescatter d_w1 (NCCL) (sharded_mlp.ccn:66)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_d_x__g_w1g_part, v_d_w1, int64_t(1), S_H, S_F, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] reduce n1 = norm(d_w1) (sharded_mlp.ccn:71)
+  coconet::cuda::reduce_sum<float, true>(v_d_w1, v_n1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, true, ctx, 14);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] kernel: m1n, v1n, w1n (sharded_mlp.ccn:72)
+  {
+    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_m1, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_d_w1, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_v1, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_w1, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_m1n, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_v1n, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_w1n, 0, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_m1, v_d_w1, v_v1, v_w1, v_m1n, v_v1n, v_w1n), stream, [=] __device__ (const auto& th) {
+      const float k9_m1n = coconet::to_compute(v_beta1[0]);
+      const float k10_m1n = (1.0f - coconet::to_compute(v_beta1[0])) * coconet::to_compute(v_clip[0]);
+      const float k11_v1n = coconet::to_compute(v_beta2[0]);
+      const float k12_v1n = (1.0f - coconet::to_compute(v_beta2[0])) * coconet::to_compute(v_clip[0]) * coconet::to_compute(v_clip[0]);
+      const float k13_w1n = coconet::to_compute(v_lr[0]);
+      const float k14_w1n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
+      const float k15_w1n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
+      const float k16_w1n = coconet::to_compute(v_eps[0]);
+      const float k17_w1n = coconet::to_compute(v_wd[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_m1 = coconet::cuda::load<4>(v_m1 + i0);
+        const auto in_d_w1 = coconet::cuda::load<4>(v_d_w1 + i0);
+        const auto in_v1 = coconet::cuda::load<4>(v_v1 + i0);
+        const auto in_w1 = coconet::cuda::load<4>(v_w1 + i0);
+        coconet::cuda::Vec<float, 4> out_m1n, out_v1n, out_w1n;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_m1n = coconet::round_to<float>(k9_m1n * coconet::to_compute(in_m1[u]) + k10_m1n * coconet::to_compute(in_d_w1[u]));
+          out_m1n[u] = coconet::from_compute<float>(x_m1n);
+          const float x_v1n = coconet::round_to<float>(k11_v1n * coconet::to_compute(in_v1[u]) + k12_v1n * coconet::to_compute(in_d_w1[u]) * coconet::to_compute(in_d_w1[u]));
+          out_v1n[u] = coconet::from_compute<float>(x_v1n);
+          const float x_w1n = coconet::round_to<float>(coconet::to_compute(in_w1[u]) - k13_w1n * (x_m1n / k14_w1n / (std::sqrt(x_v1n / k15_w1n) + k16_w1n) + k17_w1n * coconet::to_compute(in_w1[u])));
+          out_w1n[u] = coconet::from_compute<float>(x_w1n);
+        }
+        coconet::cuda::store<4>(v_m1n + i0, out_m1n);
+        coconet::cuda::store<4>(v_v1n + i0, out_v1n);
+        coconet::cuda::store<4>(v_w1n + i0, out_w1n);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_m1n = coconet::round_to<float>(k9_m1n * coconet::to_compute(v_m1[i]) + k10_m1n * coconet::to_compute(v_d_w1[i]));
+        v_m1n[i] = coconet::from_compute<float>(x_m1n);
+        const float x_v1n = coconet::round_to<float>(k11_v1n * coconet::to_compute(v_v1[i]) + k12_v1n * coconet::to_compute(v_d_w1[i]) * coconet::to_compute(v_d_w1[i]));
+        v_v1n[i] = coconet::from_compute<float>(x_v1n);
+        const float x_w1n = coconet::round_to<float>(coconet::to_compute(v_w1[i]) - k13_w1n * (x_m1n / k14_w1n / (std::sqrt(x_v1n / k15_w1n) + k16_w1n) + k17_w1n * coconet::to_compute(v_w1[i])));
+        v_w1n[i] = coconet::from_compute<float>(x_w1n);
+      }
+    });
+  }
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] kernel: gnorm (sharded_mlp.ccn:75)
+  {
+    const int64_t off = int64_t(0);  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_n1, 0, 1), COCONET_R(v_n2, 0, 1), COCONET_W(v_gnorm, 0, int64_t(1)));
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_gnorm), stream, [=] __device__ (const auto& th) {
+      const float k18_gnorm = std::sqrt(coconet::to_compute(v_n1[0]) * coconet::to_compute(v_n1[0]) + coconet::to_compute(v_n2[0]) * coconet::to_compute(v_n2[0]));
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        coconet::cuda::Vec<float, 4> out_gnorm;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_gnorm = coconet::round_to<float>(k18_gnorm);
+          out_gnorm[u] = coconet::from_compute<float>(x_gnorm);
+        }
+        coconet::cuda::store<4>(v_gnorm + i0, out_gnorm);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_gnorm = coconet::round_to<float>(k18_gnorm);
+        v_gnorm[i] = coconet::from_compute<float>(x_gnorm);
+      }
+    });
+  }
+  trace_15.end();
+}
+
+// program sharded_adamw, schedule in_backward (sharded_mlp.ccn)
+void sharded_adamw__in_backward(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_d_y = a.tensor<float>(3);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_m1 = a.tensor<float>(4);
+  COCONET_PARAM(v_m1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_m1), "m1", stream);
+  float* const v_v1 = a.tensor<float>(5);
+  COCONET_PARAM(v_v1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_v1), "v1", stream);
+  float* const v_m2 = a.tensor<float>(6);
+  COCONET_PARAM(v_m2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_m2), "m2", stream);
+  float* const v_v2 = a.tensor<float>(7);
+  COCONET_PARAM(v_v2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_v2), "v2", stream);
+  const coconet::cuda::Scalar<float> v_clip{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_lr{float(a.scalars[1])};
+  const coconet::cuda::Scalar<float> v_beta1{float(a.scalars[2])};
+  const coconet::cuda::Scalar<float> v_beta2{float(a.scalars[3])};
+  const coconet::cuda::Scalar<float> v_eps{float(a.scalars[4])};
+  const coconet::cuda::Scalar<float> v_wd{float(a.scalars[5])};
+  const coconet::cuda::Scalar<float> v_step{float(a.scalars[6])};
+  float* const v_d_x__w1g = coconet::cuda::scratch<float>(1, S_H * S_F);
+  COCONET_BUFFER(v_d_x__w1g, size_t(S_H * S_F) * sizeof(*v_d_x__w1g), "d_x__w1g");
+  float* const v_d_x__h = coconet::cuda::scratch<float>(2, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__h), "d_x__h");
+  float* const v_d_x__a = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__a), "d_x__a");
+  float* const v_d_x__w2g = coconet::cuda::scratch<float>(4, S_F * S_H);
+  COCONET_BUFFER(v_d_x__w2g, size_t(S_F * S_H) * sizeof(*v_d_x__w2g), "d_x__w2g");
+  float* const v_d_x__g_a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__g_a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__g_a), "d_x__g_a");
+  float* const v_d_x__g_w2g_part = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_d_x__g_w2g_part, size_t(S_F * S_H) * sizeof(*v_d_x__g_w2g_part), "d_x__g_w2g_part");
+  float* const v_m2n = v_m2;  // updates m2 in place
+  float* const v_v2n = v_v2;  // updates v2 in place
+  float* const v_w2n = v_w2;  // updates w2 in place
+  float* const v_n2 = coconet::cuda::scratch<float>(7, int64_t(1));
+  COCONET_BUFFER(v_n2, size_t(int64_t(1)) * sizeof(*v_n2), "n2");
+  float* const v_d_x__g_h = coconet::cuda::scratch<float>(8, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_d_x__g_h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_x__g_h), "d_x__g_h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_d_x__g_w1g_part = coconet::cuda::scratch<float>(9, S_H * S_F);
+  COCONET_BUFFER(v_d_x__g_w1g_part, size_t(S_H * S_F) * sizeof(*v_d_x__g_w1g_part), "d_x__g_w1g_part");
+  float* const v_m1n = v_m1;  // updates m1 in place
+  float* const v_v1n = v_v1;  // updates v1 in place
+  float* const v_w1n = v_w1;  // updates w1 in place
+  float* const v_n1 = coconet::cuda::scratch<float>(10, int64_t(1));
+  COCONET_BUFFER(v_n1, size_t(int64_t(1)) * sizeof(*v_n1), "n1");
+  float* const v_gnorm = a.output<float>(1);
+  COCONET_PARAM(v_gnorm, size_t(int64_t(1)) * sizeof(*v_gnorm), "gnorm", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [in_backward] allgather d_x__w1g (NCCL) (sharded_mlp.ccn:66)
+  coconet::cuda::allgather<float>(v_w1, v_d_x__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [in_backward] matmul d_x__h (sharded_mlp.ccn:66)
+  coconet::cuda::matmul<float>(v_x, v_d_x__w1g, v_d_x__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [in_backward] kernel: d_x__a (sharded_mlp.ccn:66)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_d_x__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_x__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_d_x__h, v_d_x__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_x__h = coconet::cuda::load<4>(v_d_x__h + i0);
+        coconet::cuda::Vec<float, 4> out_d_x__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_x__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_d_x__h[u])));
+          out_d_x__a[u] = coconet::from_compute<float>(x_d_x__a);
+        }
+        coconet::cuda::store<4>(v_d_x__a + i0, out_d_x__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_x__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_d_x__h[i])));
+        v_d_x__a[i] = coconet::from_compute<float>(x_d_x__a);
+      }
+    });
+  }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [in_backward] allgather d_x__w2g (NCCL) (sharded_mlp.ccn:66)
+  coconet::cuda::allgather<float>(v_w2, v_d_x__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [in_backward] matmul_nt d_x__g_a (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_d_x__w2g, v_d_x__g_a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [in_backward] matmul_tn d_x__g_w2g_part (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_tn<float>(v_d_x__a, v_d_y, v_d_x__g_w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [in_backward] fused collective upd2: d_w2, m2n, v2n, w2n (sharded_mlp.ccn:80)
+  // upd2: norm(d_w2) accumulated chunk by chunk
+  const coconet::cuda::Partials pa_upd2 = coconet::cuda::partials(11, 1, 0, 0, "upd2", ctx);
+  {
+    const int64_t base_upd2 = 0;
+    const int64_t mine_upd2 = coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
+    (void)base_upd2;
+    const int64_t most_upd2 = int64_t(1) * coconet::slice_chunk(S_F, comm.size) * S_H;
+    const int64_t ch_upd2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_upd2 : 0);
+    const int64_t chunks_upd2 = (most_upd2 + ch_upd2 - 1) / ch_upd2;
+    const int64_t nred_upd2 = comm.size == 1 ? 0 : ch_upd2;  // one rank: no chunk buffers
+    float* const red0_upd2 = coconet::cuda::scratch<float>(12, nred_upd2);
+    float* const red1_upd2 = coconet::cuda::scratch<float>(13, nred_upd2);
+  COCONET_BUFFER(red0_upd2, size_t(nred_upd2) * sizeof(*red0_upd2), "red0 (chunk buffer 0 of fused upd2)");
+  COCONET_BUFFER(red1_upd2, size_t(nred_upd2) * sizeof(*red1_upd2), "red1 (chunk buffer 1 of fused upd2)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_d_x__g_w2g_part, red, S_F, S_H, k, ch_upd2, ctx); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_upd2 + k * ch_upd2, hi = std::min(lo + ch_upd2, mine_upd2);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;
+      (void)off;
+      COCONET_ACCESS(COCONET_R(v_m2, lo, hi), COCONET_R(v_v2, lo, hi), COCONET_R(v_w2, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_m2n, lo, hi), COCONET_W(v_v2n, lo, hi), COCONET_W(v_w2n, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m2 + lo, red, v_v2 + lo, v_w2 + lo, v_m2n + lo, v_v2n + lo, v_w2n + lo), stream, [=] __device__ (const auto& th) {
+        const float k0_m2n = coconet::to_compute(v_beta1[0]);
+        const float k1_m2n = (1.0f - coconet::to_compute(v_beta1[0])) * coconet::to_compute(v_clip[0]);
+        const float k2_v2n = coconet::to_compute(v_beta2[0]);
+        const float k3_v2n = (1.0f - coconet::to_compute(v_beta2[0])) * coconet::to_compute(v_clip[0]) * coconet::to_compute(v_clip[0]);
+        const float k4_w2n = coconet::to_compute(v_lr[0]);
+        const float k5_w2n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
+        const float k6_w2n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
+        const float k7_w2n = coconet::to_compute(v_eps[0]);
+        const float k8_w2n = coconet::to_compute(v_wd[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_m2 = coconet::cuda::load<4>(v_m2 + lo + j0);
+          const auto in_d_w2 = coconet::cuda::load<4>(red + j0);
+          const auto in_v2 = coconet::cuda::load<4>(v_v2 + lo + j0);
+          const auto in_w2 = coconet::cuda::load<4>(v_w2 + lo + j0);
+          coconet::cuda::Vec<float, 4> out_m2n, out_v2n, out_w2n;
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const float x_m2n = coconet::round_to<float>(k0_m2n * coconet::to_compute(in_m2[u]) + k1_m2n * coconet::to_compute(in_d_w2[u]));
+            out_m2n[u] = coconet::from_compute<float>(x_m2n);
+            const float x_v2n = coconet::round_to<float>(k2_v2n * coconet::to_compute(in_v2[u]) + k3_v2n * coconet::to_compute(in_d_w2[u]) * coconet::to_compute(in_d_w2[u]));
+            out_v2n[u] = coconet::from_compute<float>(x_v2n);
+            const float x_w2n = coconet::round_to<float>(coconet::to_compute(in_w2[u]) - k4_w2n * (x_m2n / k5_w2n / (std::sqrt(x_v2n / k6_w2n) + k7_w2n) + k8_w2n * coconet::to_compute(in_w2[u])));
+            out_w2n[u] = coconet::from_compute<float>(x_w2n);
+          }
+          coconet::cuda::store<4>(v_m2n + lo + j0, out_m2n);
+          coconet::cuda::store<4>(v_v2n + lo + j0, out_v2n);
+          coconet::cuda::store<4>(v_w2n + lo + j0, out_w2n);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          const float x_m2n = coconet::round_to<float>(k0_m2n * coconet::to_compute(v_m2[i]) + k1_m2n * coconet::to_compute(red[j]));
+          v_m2n[i] = coconet::from_compute<float>(x_m2n);
+          const float x_v2n = coconet::round_to<float>(k2_v2n * coconet::to_compute(v_v2[i]) + k3_v2n * coconet::to_compute(red[j]) * coconet::to_compute(red[j]));
+          v_v2n[i] = coconet::from_compute<float>(x_v2n);
+          const float x_w2n = coconet::round_to<float>(coconet::to_compute(v_w2[i]) - k4_w2n * (x_m2n / k5_w2n / (std::sqrt(x_v2n / k6_w2n) + k7_w2n) + k8_w2n * coconet::to_compute(v_w2[i])));
+          v_w2n[i] = coconet::from_compute<float>(x_w2n);
+        }
+      });
+      coconet::cuda::partial_sum<float, true>(red, hi - lo, pa_upd2.sum(0), ctx);
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_d_x__g_w2g_part + base_upd2 + k * ch_upd2; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_upd2, red0_upd2, red1_upd2, ctx, 112, reduce_to, compute, gather, source);
+  }
+  coconet::cuda::combine(pa_upd2, ctx);  // upd2: the partial results across the group
+  coconet::cuda::finish_sum<float, true>(pa_upd2.sum(0), v_n2, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [in_backward] kernel: d_x__g_h (sharded_mlp.ccn:66)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_d_x__g_a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_d_x__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_d_x__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_x__g_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_d_x__g_a, v_d_x__h, v_d_x__a, v_d_x__g_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_x__g_a = coconet::cuda::load<4>(v_d_x__g_a + i0);
+        const auto in_d_x__h = coconet::cuda::load<4>(v_d_x__h + i0);
+        const auto in_d_x__a = coconet::cuda::load<4>(v_d_x__a + i0);
+        coconet::cuda::Vec<float, 4> out_d_x__g_h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_x__g_h = coconet::round_to<float>(coconet::to_compute(in_d_x__g_a[u]) * (((coconet::to_compute(in_d_x__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_d_x__a[u]) / ((coconet::to_compute(in_d_x__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_d_x__h[u]))))) + coconet::to_compute(in_d_x__h[u]) * (std::exp(coconet::to_compute(in_d_x__h[u]) * coconet::to_compute(in_d_x__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_d_x__g_h[u] = coconet::from_compute<float>(x_d_x__g_h);
+        }
+        coconet::cuda::store<4>(v_d_x__g_h + i0, out_d_x__g_h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_x__g_h = coconet::round_to<float>(coconet::to_compute(v_d_x__g_a[i]) * (((coconet::to_compute(v_d_x__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_d_x__a[i]) / ((coconet::to_compute(v_d_x__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_d_x__h[i]))))) + coconet::to_compute(v_d_x__h[i]) * (std::exp(coconet::to_compute(v_d_x__h[i]) * coconet::to_compute(v_d_x__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_d_x__g_h[i] = coconet::from_compute<float>(x_d_x__g_h);
+      }
+    });
+  }
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [in_backward] matmul_nt d_x (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_nt<float>(v_d_x__g_h, v_d_x__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [in_backward] matmul_tn d_x__g_w1g_part (sharded_mlp.ccn:66)
+  coconet::cuda::matmul_tn<float>(v_x, v_d_x__g_h, v_d_x__g_w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [in_backward] fused collective upd1: d_w1, m1n, v1n, w1n (sharded_mlp.ccn:81)
+  // upd1: norm(d_w1) accumulated chunk by chunk
+  const coconet::cuda::Partials pa_upd1 = coconet::cuda::partials(15, 1, 0, 0, "upd1", ctx);
+  {
+    const int64_t base_upd1 = 0;
+    const int64_t mine_upd1 = coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
+    (void)base_upd1;
+    const int64_t most_upd1 = int64_t(1) * coconet::slice_chunk(S_H, comm.size) * S_F;
+    const int64_t ch_upd1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_upd1 : 0);
+    const int64_t chunks_upd1 = (most_upd1 + ch_upd1 - 1) / ch_upd1;
+    const int64_t nred_upd1 = comm.size == 1 ? 0 : ch_upd1;  // one rank: no chunk buffers
+    float* const red0_upd1 = coconet::cuda::scratch<float>(16, nred_upd1);
+    float* const red1_upd1 = coconet::cuda::scratch<float>(17, nred_upd1);
+  COCONET_BUFFER(red0_upd1, size_t(nred_upd1) * sizeof(*red0_upd1), "red0 (chunk buffer 0 of fused upd1)");
+  COCONET_BUFFER(red1_upd1, size_t(nred_upd1) * sizeof(*red1_upd1), "red1 (chunk buffer 1 of fused upd1)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_d_x__g_w1g_part, red, S_H, S_F, k, ch_upd1, ctx); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_upd1 + k * ch_upd1, hi = std::min(lo + ch_upd1, mine_upd1);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;
+      (void)off;
+      COCONET_ACCESS(COCONET_R(v_m1, lo, hi), COCONET_R(v_v1, lo, hi), COCONET_R(v_w1, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_m1n, lo, hi), COCONET_W(v_v1n, lo, hi), COCONET_W(v_w1n, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m1 + lo, red, v_v1 + lo, v_w1 + lo, v_m1n + lo, v_v1n + lo, v_w1n + lo), stream, [=] __device__ (const auto& th) {
+        const float k9_m1n = coconet::to_compute(v_beta1[0]);
+        const float k10_m1n = (1.0f - coconet::to_compute(v_beta1[0])) * coconet::to_compute(v_clip[0]);
+        const float k11_v1n = coconet::to_compute(v_beta2[0]);
+        const float k12_v1n = (1.0f - coconet::to_compute(v_beta2[0])) * coconet::to_compute(v_clip[0]) * coconet::to_compute(v_clip[0]);
+        const float k13_w1n = coconet::to_compute(v_lr[0]);
+        const float k14_w1n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
+        const float k15_w1n = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
+        const float k16_w1n = coconet::to_compute(v_eps[0]);
+        const float k17_w1n = coconet::to_compute(v_wd[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_m1 = coconet::cuda::load<4>(v_m1 + lo + j0);
+          const auto in_d_w1 = coconet::cuda::load<4>(red + j0);
+          const auto in_v1 = coconet::cuda::load<4>(v_v1 + lo + j0);
+          const auto in_w1 = coconet::cuda::load<4>(v_w1 + lo + j0);
+          coconet::cuda::Vec<float, 4> out_m1n, out_v1n, out_w1n;
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const float x_m1n = coconet::round_to<float>(k9_m1n * coconet::to_compute(in_m1[u]) + k10_m1n * coconet::to_compute(in_d_w1[u]));
+            out_m1n[u] = coconet::from_compute<float>(x_m1n);
+            const float x_v1n = coconet::round_to<float>(k11_v1n * coconet::to_compute(in_v1[u]) + k12_v1n * coconet::to_compute(in_d_w1[u]) * coconet::to_compute(in_d_w1[u]));
+            out_v1n[u] = coconet::from_compute<float>(x_v1n);
+            const float x_w1n = coconet::round_to<float>(coconet::to_compute(in_w1[u]) - k13_w1n * (x_m1n / k14_w1n / (std::sqrt(x_v1n / k15_w1n) + k16_w1n) + k17_w1n * coconet::to_compute(in_w1[u])));
+            out_w1n[u] = coconet::from_compute<float>(x_w1n);
+          }
+          coconet::cuda::store<4>(v_m1n + lo + j0, out_m1n);
+          coconet::cuda::store<4>(v_v1n + lo + j0, out_v1n);
+          coconet::cuda::store<4>(v_w1n + lo + j0, out_w1n);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          const float x_m1n = coconet::round_to<float>(k9_m1n * coconet::to_compute(v_m1[i]) + k10_m1n * coconet::to_compute(red[j]));
+          v_m1n[i] = coconet::from_compute<float>(x_m1n);
+          const float x_v1n = coconet::round_to<float>(k11_v1n * coconet::to_compute(v_v1[i]) + k12_v1n * coconet::to_compute(red[j]) * coconet::to_compute(red[j]));
+          v_v1n[i] = coconet::from_compute<float>(x_v1n);
+          const float x_w1n = coconet::round_to<float>(coconet::to_compute(v_w1[i]) - k13_w1n * (x_m1n / k14_w1n / (std::sqrt(x_v1n / k15_w1n) + k16_w1n) + k17_w1n * coconet::to_compute(v_w1[i])));
+          v_w1n[i] = coconet::from_compute<float>(x_w1n);
+        }
+      });
+      coconet::cuda::partial_sum<float, true>(red, hi - lo, pa_upd1.sum(0), ctx);
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_d_x__g_w1g_part + base_upd1 + k * ch_upd1; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_upd1, red0_upd1, red1_upd1, ctx, 144, reduce_to, compute, gather, source);
+  }
+  coconet::cuda::combine(pa_upd1, ctx);  // upd1: the partial results across the group
+  coconet::cuda::finish_sum<float, true>(pa_upd1.sum(0), v_n1, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [in_backward] kernel: gnorm (sharded_mlp.ccn:75)
+  {
+    const int64_t off = int64_t(0);  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_n1, 0, 1), COCONET_R(v_n2, 0, 1), COCONET_W(v_gnorm, 0, int64_t(1)));
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_gnorm), stream, [=] __device__ (const auto& th) {
+      const float k18_gnorm = std::sqrt(coconet::to_compute(v_n1[0]) * coconet::to_compute(v_n1[0]) + coconet::to_compute(v_n2[0]) * coconet::to_compute(v_n2[0]));
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        coconet::cuda::Vec<float, 4> out_gnorm;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_gnorm = coconet::round_to<float>(k18_gnorm);
+          out_gnorm[u] = coconet::from_compute<float>(x_gnorm);
+        }
+        coconet::cuda::store<4>(v_gnorm + i0, out_gnorm);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_gnorm = coconet::round_to<float>(k18_gnorm);
+        v_gnorm[i] = coconet::from_compute<float>(x_gnorm);
+      }
+    });
+  }
+  trace_11.end();
+}
+
 // program sharded_mlp_grad, schedule default (sharded_mlp.ccn)
 void sharded_mlp_grad__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
@@ -3799,6 +4407,8 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sgd_step__default", &coconet_gen::sgd_step__default},
       {"sharded_model__default", &coconet_gen::sharded_model__default},
       {"sharded_model__prefetched", &coconet_gen::sharded_model__prefetched},
+      {"sharded_adamw__default", &coconet_gen::sharded_adamw__default},
+      {"sharded_adamw__in_backward", &coconet_gen::sharded_adamw__in_backward},
       {"sharded_mlp_grad__default", &coconet_gen::sharded_mlp_grad__default},
       {"sharded_mlp_grad__overlapped", &coconet_gen::sharded_mlp_grad__overlapped},
       {"sharded_model_grad__default", &coconet_gen::sharded_model_grad__default},
@@ -3811,7 +4421,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
       {"sharded_model_bwd__prefetched", &coconet_gen::sharded_model_bwd__prefetched},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 16};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 18};
   return &entries;
 }
 

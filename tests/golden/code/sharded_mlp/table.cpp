@@ -13,6 +13,8 @@ void sharded_mlp__overlapped(const coconet::CallArgs& a);
 void sgd_step__default(const coconet::CallArgs& a);
 void sharded_model__default(const coconet::CallArgs& a);
 void sharded_model__prefetched(const coconet::CallArgs& a);
+void sharded_adamw__default(const coconet::CallArgs& a);
+void sharded_adamw__in_backward(const coconet::CallArgs& a);
 void sharded_mlp_grad__default(const coconet::CallArgs& a);
 void sharded_mlp_grad__overlapped(const coconet::CallArgs& a);
 void sharded_model_grad__default(const coconet::CallArgs& a);
@@ -33,6 +35,8 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sgd_step__default", &coconet_gen::sgd_step__default},
       {"sharded_model__default", &coconet_gen::sharded_model__default},
       {"sharded_model__prefetched", &coconet_gen::sharded_model__prefetched},
+      {"sharded_adamw__default", &coconet_gen::sharded_adamw__default},
+      {"sharded_adamw__in_backward", &coconet_gen::sharded_adamw__in_backward},
       {"sharded_mlp_grad__default", &coconet_gen::sharded_mlp_grad__default},
       {"sharded_mlp_grad__overlapped", &coconet_gen::sharded_mlp_grad__overlapped},
       {"sharded_model_grad__default", &coconet_gen::sharded_model_grad__default},
@@ -45,7 +49,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
       {"sharded_model_bwd__prefetched", &coconet_gen::sharded_model_bwd__prefetched},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 16};
+  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 18};
   return &entries;
 }
 
