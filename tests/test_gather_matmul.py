@@ -275,6 +275,23 @@ def test_gathered_weights_share_memory_once_their_readers_have_run():
     assert "  y__l0__w1g   start allgather y__l0__w1g (prefetch) (L199) -> matmul y__l0__hm (L200)" in text, text
 
 
+def test_a_stacked_weights_gradient_is_made_in_its_rows():
+    """The derived program of the model (a repeat over stacked weights) makes each layer's
+    reduce-scattered weight gradient straight into its row of the stacked gradient (the output):
+    no unindex, no sum, no stacked-size scratch (plan/targets.py, assembled_stacks); the
+    compiled runs above check the values."""
+    from coconetc.plan import plan_program
+    from coconetc.plan.units import Library, Loop
+    mod = load_source(FILE.read_text(), "g.ccn")
+    plan = plan_program(vjp(mod.programs["fsdp_model"]))
+    rows = {b.name: (b.same_as, b.same_at) for b in plan.buffers if b.same_at is not None and not plan.is_index(b.name)}
+    assert rows == {f"g_y__l{k}__w{j}": (f"d_w{j}", k) for k in range(3) for j in (1, 2)}, rows
+    assert not [u for u in plan.units if isinstance(u, Library) and u.op == "unindex"]
+    assert not [u for u in plan.units if isinstance(u, Loop) and u.type.ndim == 3], "a sum of stacked gradients"
+    stacked = [b.name for b in plan.buffers if b.kind == "scratch" and b.type.ndim == 3]
+    assert stacked == [], stacked
+
+
 def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_program():
     """The derived program cut for training (autodiff/saved.py) saves no gathered weight: the
     backward gathers each again, the last layer's first, and its schedule's prefetch starts

@@ -61,7 +61,7 @@ def _declaration_order(buffers) -> list[Buffer]:
 def reshape_into_output(w: Writer, b: Buffer) -> Library | None:
     """For a buffer held in an output's memory (plan/targets.py: a returned reshape's source),
     the reshape unit; None otherwise."""
-    if not b.same_as or next(x for x in w.plan.buffers if x.name == b.same_as).kind != "output":
+    if not b.same_as or b.same_at is not None or next(x for x in w.plan.buffers if x.name == b.same_as).kind != "output":
         return None
     return next(u for u in w.plan.units if isinstance(u, Library) and u.op == "reshape" and u.args[0] == b.name)
 
@@ -75,8 +75,9 @@ def declare(w: Writer, b: Buffer) -> bool:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // reshaped into the output {b.same_as}: computed in its "
                "memory, no copy")
     elif b.same_as and b.same_at is not None:
+        what = "an index" if w.plan.is_index(b.name) else "a layer's gradient made in its row"
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as} + {b.same_at} * {prod(w.ldims(b.type))};  "
-               f"// row {b.same_at} of {b.same_as} (an index): its memory, no copy")
+               f"// row {b.same_at} of {b.same_as} ({what}): its memory, no copy")
     elif b.same_as:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // a reshape of {b.same_as}: its memory, no copy")
     elif b.reuses:

@@ -71,7 +71,9 @@ def _buffer(plan: Plan, b: Buffer) -> str:
         where["scratch"] = "scratch in the group's shared window"
     none = f" (no memory on {', '.join(b.unallocated)}: the collective reads the segments)" if b.unallocated else ""
     if b.same_as:
-        what = f"row {b.same_at} of {b.same_as}: an index" if b.same_at is not None else f"the memory of {b.same_as}: a reshape"
+        what = (f"the memory of {b.same_as}: a reshape" if b.same_at is None else f"row {b.same_at} of {b.same_as}: an index"
+                if plan.is_index(b.name)
+                else f"row {b.same_at} of {b.same_as}: a layer's gradient made in its row, not unindexed and summed")
         none += f" ({what}, no copy)"
     if b.reuses:
         none += f" (in {b.reuses}'s memory: gathered after its last reader)"

@@ -55,10 +55,10 @@ from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
-from coconetc.ir.nodes import Ref, walk
+from coconetc.ir.nodes import Op, Ref, walk
 from coconetc.plan.fusion_legality import row_op
 from coconetc.plan.units import (Algorithm, Buffer, Choice, ChunkElems, Chunking, Collective, Fused, Gap, GatherAfter,
-                                 GatherMatmul, Library, Overlap, Partials, Plan, Reduce, StartGather, Strategy, Unit, _touches)
+                                 GatherMatmul, Library, Loop, Overlap, Partials, Plan, Reduce, StartGather, Strategy, Unit, _touches)
 
 
 class Target(Choice):
@@ -138,6 +138,7 @@ def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     plan = replace(plan, buffers=tuple(replace(b, same_as=views[b.name]) if b.name in views else
                                        replace(b, same_as=rows[b.name][0], same_at=rows[b.name][1])
                                        if b.name in rows else b for b in plan.buffers))
+    plan = assembled_stacks(plan)
     held = gathered_reuse(plan)
     plan = replace(plan, buffers=tuple(replace(b, reuses=held[b.name]) if b.name in held else b for b in plan.buffers))
     kinds = {b.name: b.kind for b in plan.buffers}
@@ -192,6 +193,82 @@ def _index_views(plan: Plan, views: dict[str, str]) -> dict[str, tuple[str, int]
                 and src.name not in updated and src.type.dtype == dst.type.dtype:
             rows[dst.name] = (src.name, int(dict(u.attrs)["i"]))  # type: ignore[call-overload]
     return rows
+
+
+def assembled_stacks(plan: Plan) -> Plan:
+    """A stacked parameter's gradient assembled in its own memory (docs/language.md, "Repeating
+    a program over layers"): the derivation adds one `unindex(g_l, l, L)` per layer (each a
+    stacked-size buffer, zeros but row l) and sums them, `L` stacked buffers and `L - 1` passes
+    over them. Where every row 0..L-1 is one layer's gradient g_l, each g_l is made straight into
+    row l of the sum (Buffer.same_as, same_at: this rank's part of a stacked value is L
+    contiguous rows) and the unindex units and the sum's loops are left out. Where: the sum is
+    private scratch or an output; each g_l private scratch read only by its unindex; each
+    partial sum and unindex result read only by the next sum; every backend."""
+    made, gone = _stack_sums(plan)
+    if not made:
+        return plan
+    units: list[Unit] = []
+    new_index: dict[int, int] = {}
+    for i, u in enumerate(plan.units):
+        if isinstance(u, Library) and u.dst in gone:
+            continue
+        if isinstance(u, Loop) and any(it.name in gone for it in u.items):
+            items = tuple(it for it in u.items if it.name not in gone)
+            if not items:
+                continue
+            u = replace(u, items=items)
+        new_index[i] = len(units)
+        units.append(u)
+    roots = {r for r, _ in made.values()}
+    buffers = tuple(replace(b, same_as=made[b.name][0], same_at=made[b.name][1]) if b.name in made else b
+                    for b in plan.buffers if b.name not in gone or b.name in roots)
+    attention = tuple(replace(a, members=tuple(new_index[m] for m in a.members)) for a in plan.attention)
+    return replace(plan, buffers=buffers, units=tuple(units), attention=attention)
+
+
+def _stack_sums(plan: Plan) -> tuple[dict[str, tuple[str, int]], set[str]]:
+    """assembled_stacks' choice: each layer's gradient -> (the stacked sum, its row), and the
+    unindexes and partial sums (the sums themselves too) whose units are left out."""
+    bufs = {b.name: b for b in plan.buffers}
+    unindexed = {u.dst: u for u in plan.units if isinstance(u, Library) and u.op == "unindex"}
+    added = {it.name: (it.expr.args[0].name, it.expr.args[1].name) for u in plan.units  # type: ignore[union-attr]
+             if isinstance(u, Loop) and not u.seg_dst and not u.colsums for it in u.items
+             if isinstance(it.expr, Op) and it.expr.op == "add" and all(isinstance(a, Ref) for a in it.expr.args)}
+
+    def private(name: str, kinds: tuple[str, ...] = ("scratch",), once: bool = True) -> bool:
+        """A buffer of its own (once: touched by its writer and one reader only)."""
+        b = bufs.get(name)
+        return (b is not None and b.kind in kinds and not b.shared and not b.unallocated and not b.same_as
+                and not b.reuses and (not once or sum(_touches(u, {name}) for u in plan.units) == 2))
+
+    def rows(name: str, nodes: list[str]) -> dict[int, str] | None:
+        """The layers' gradients whose unindexes sum to NAME (row -> value), the sum's nodes in NODES."""
+        nodes.append(name)
+        if name in unindexed:
+            u = unindexed[name]
+            return {int(dict(u.attrs)["i"]): u.args[0]}  # type: ignore[call-overload]
+        out: dict[int, str] = {}
+        for part in added.get(name, ()):
+            got = rows(part, nodes)
+            if got is None or set(got) & set(out):
+                return None
+            out.update(got)
+        return out or None
+
+    made: dict[str, tuple[str, int]] = {}
+    gone: set[str] = set()
+    for root in reversed([*unindexed, *added]):  # (the whole sum before its partial sums)
+        nodes: list[str] = []
+        layers = rows(root, nodes) if root not in gone else None
+        count = bufs[root].type.shape[0] if layers is not None and bufs[root].type.ndim else None
+        if layers is None or not private(root, ("scratch", "output"), once=False) or not isinstance(count, int) \
+                or sorted(layers) != list(range(count)):
+            continue  # (a row no layer's gradient makes needs the unindexes' zeros)
+        if all(private(n) for n in nodes[1:]) and all(
+                private(g) and bufs[g].type.dtype == bufs[root].type.dtype for g in layers.values()):
+            gone.update(nodes)
+            made.update({g: (root, i) for i, g in layers.items()})
+    return made, gone
 
 
 def gathered_lives(plan: Plan) -> dict[str, tuple[int, int]]:

@@ -509,6 +509,11 @@ class Plan:
                 return b
         raise KeyError(name)
 
+    def is_index(self, name: str) -> bool:
+        """Is NAME an index's result (Buffer.same_at: a row of its source, read in place), not a
+        layer's gradient made in its row of a stacked gradient (plan/targets.py, assembled_stacks)?"""
+        return any(isinstance(u, Library) and u.op == "index" and u.dst == name for u in self.units)
+
     def own_part_only(self, param: str) -> bool:
         """Whether each rank writes only its own part of PARAM (the rest arriving through one
         fused collective's all-gather into it, in place) and reads no other part of it, in

@@ -34,6 +34,7 @@ class _Verifier:
         self.written = {b.name for b in plan.buffers if b.kind in ("param", "segments", "scalar")}
         self.lets: set[str] = set()
         self.started: set[str] = set()  # the gathers a StartGather started (a prefetch)
+        self.rows: dict[str, set[int]] = {}  # a stacked gradient's rows made so far
 
     def fail(self, what: str) -> None:
         raise PlanInvalid(f"plan {self.plan.program} [{self.plan.schedule}]: {what}")
@@ -60,6 +61,12 @@ class _Verifier:
         for n in names:
             self.type(n)
             self.written.add(n)
+            b = self.bufs[n]
+            if b.same_as and b.same_at is not None and not self.plan.is_index(n):  # a layer's gradient in its row
+                rows = self.rows.setdefault(b.same_as, set())
+                rows.add(b.same_at)
+                if len(rows) == self.bufs[b.same_as].type.shape[0]:
+                    self.written.add(b.same_as)  # (every row made: plan/targets.py, assembled_stacks)
 
     def unit(self, u: Unit) -> None:
         if isinstance(u, Loop):

@@ -1694,58 +1694,36 @@ void sharded_model_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
   float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(25, S_H * S_F);
   COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
-  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(26, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
-  float* const v_g_w2 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
-  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(28, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
-  float* const v_g_w1 = coconet::cuda::scratch<float>(29, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
-  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(30, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(26, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
-  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(31, S_F * S_H);
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(27, S_F * S_H);
   COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
-  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(32, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(28, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
-  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(29, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
-  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(30, S_H * S_F);
   COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
-  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
-  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
-  float* const v_g_w22 = coconet::cuda::scratch<float>(37, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
-  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(38, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
-  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(39, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
-  float* const v_g_w12 = coconet::cuda::scratch<float>(40, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
-  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(41, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
-  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(42, S_F * S_H);
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(32, S_F * S_H);
   COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
-  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(43, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(44, S_H * S_F);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
   COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
-  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(45, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
-  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(46, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
   float* const v_d_w2 = a.output<float>(2);
   COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(47, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
-  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(48, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] index y__l0__w1 (sharded_mlp.ccn:40)
   coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
@@ -1941,26 +1919,18 @@ void sharded_model_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
-  // [default] unindex g_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
-  // [default] unindex g_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] kernel: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1987,94 +1957,32 @@ void sharded_model_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
-  // [default] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
-  // [default] kernel: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
-        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w22;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
-          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
-        }
-        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
-        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
-      }
-    });
-  }
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
-  // [default] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
-  // [default] kernel: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
-        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w12;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
-          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
-        }
-        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
-        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
-      }
-    });
-  }
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [default] kernel: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2101,85 +2009,23 @@ void sharded_model_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [default] matmul_nt d_x (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [default] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
-  // [default] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
-  // [default] kernel: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
-        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
-          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
-        }
-        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
-        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
-      }
-    });
-  }
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
-  // [default] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
-  trace_49.end();
-  coconet::cuda::trace::Unit trace_50(50, stream);
-  // [default] kernel: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
-        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
-          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
-        }
-        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
-        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
-      }
-    });
-  }
-  trace_50.end();
+  trace_40.end();
 }
 
 // program sharded_model_grad, schedule prefetched (sharded_mlp.ccn)
@@ -2249,58 +2095,36 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
   float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(25, S_H * S_F);
   COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
-  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(26, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
-  float* const v_g_w2 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
-  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(28, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
-  float* const v_g_w1 = coconet::cuda::scratch<float>(29, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
-  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(30, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(26, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
-  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(31, S_F * S_H);
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(27, S_F * S_H);
   COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
-  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(32, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(28, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
-  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(29, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
-  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(30, S_H * S_F);
   COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
-  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
-  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
-  float* const v_g_w22 = coconet::cuda::scratch<float>(37, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
-  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(38, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
-  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(39, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
-  float* const v_g_w12 = coconet::cuda::scratch<float>(40, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
-  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(41, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
-  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(42, S_F * S_H);
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(32, S_F * S_H);
   COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
-  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(43, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(44, S_H * S_F);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
   COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
-  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(45, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
-  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(46, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
   float* const v_d_w2 = a.output<float>(2);
   COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(47, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
-  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(48, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
   coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
@@ -2520,26 +2344,18 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
   trace_31.end();
   coconet::cuda::trace::Unit trace_32(32, stream);
-  // [prefetched] unindex g_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
   // [prefetched] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
-  // [prefetched] unindex g_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [prefetched] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [prefetched] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [prefetched] kernel: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2566,94 +2382,32 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [prefetched] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [prefetched] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [prefetched] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
-  // [prefetched] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
-  // [prefetched] kernel: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
-        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w22;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
-          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
-        }
-        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
-        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
-      }
-    });
-  }
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
   // [prefetched] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
-  // [prefetched] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
-  // [prefetched] kernel: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
-        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w12;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
-          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
-        }
-        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
-        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
-      }
-    });
-  }
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
   // [prefetched] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
+  trace_40.end();
+  coconet::cuda::trace::Unit trace_41(41, stream);
   // [prefetched] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
+  trace_41.end();
+  coconet::cuda::trace::Unit trace_42(42, stream);
   // [prefetched] kernel: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2680,85 +2434,23 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
+  trace_42.end();
+  coconet::cuda::trace::Unit trace_43(43, stream);
   // [prefetched] matmul_nt d_x (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_49.end();
-  coconet::cuda::trace::Unit trace_50(50, stream);
+  trace_43.end();
+  coconet::cuda::trace::Unit trace_44(44, stream);
   // [prefetched] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_50.end();
-  coconet::cuda::trace::Unit trace_51(51, stream);
+  trace_44.end();
+  coconet::cuda::trace::Unit trace_45(45, stream);
   // [prefetched] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
-  trace_51.end();
-  coconet::cuda::trace::Unit trace_52(52, stream);
-  // [prefetched] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
-  trace_52.end();
-  coconet::cuda::trace::Unit trace_53(53, stream);
-  // [prefetched] kernel: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
-        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
-          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
-        }
-        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
-        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
-      }
-    });
-  }
-  trace_53.end();
-  coconet::cuda::trace::Unit trace_54(54, stream);
+  trace_45.end();
+  coconet::cuda::trace::Unit trace_46(46, stream);
   // [prefetched] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
-  trace_54.end();
-  coconet::cuda::trace::Unit trace_55(55, stream);
-  // [prefetched] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
-  trace_55.end();
-  coconet::cuda::trace::Unit trace_56(56, stream);
-  // [prefetched] kernel: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
-        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
-          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
-        }
-        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
-        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
-      }
-    });
-  }
-  trace_56.end();
+  trace_46.end();
 }
 
 // program sharded_mlp_fwd, schedule default (sharded_mlp.ccn)
@@ -3525,62 +3217,40 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
   float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(13, S_H * S_F);
   COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
-  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(14, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
-  float* const v_g_w2 = coconet::cuda::scratch<float>(15, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
-  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
-  float* const v_g_w1 = coconet::cuda::scratch<float>(17, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
   float* const v_y__l1__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
-  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
-  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(19, S_F * S_H);
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(15, S_F * S_H);
   COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
-  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(20, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(16, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
   float* const v_y__l1__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
-  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(17, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
-  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(22, S_H * S_F);
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(18, S_H * S_F);
   COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
-  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(23, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
-  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(24, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
-  float* const v_g_w22 = coconet::cuda::scratch<float>(25, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
-  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(26, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
-  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
-  float* const v_g_w12 = coconet::cuda::scratch<float>(28, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
   float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
-  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(29, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
-  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(30, S_F * S_H);
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(20, S_F * S_H);
   COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
-  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
   float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(32, S_H * S_F);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(22, S_H * S_F);
   COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
-  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(33, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
-  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(34, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
   float* const v_d_w2 = a.output<float>(2);
   COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
-  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] index y__l0__w1 (sharded_mlp.ccn:40)
   coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
@@ -3662,30 +3332,22 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [default] unindex g_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
-  trace_14.end();
-  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
-  trace_15.end();
-  coconet::cuda::trace::Unit trace_16(16, stream);
-  // [default] unindex g_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
-  trace_16.end();
-  coconet::cuda::trace::Unit trace_17(17, stream);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
   coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
   // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [default] kernel: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3712,102 +3374,40 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
   coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [default] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
-  // [default] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
-  // [default] kernel: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
-        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w22;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
-          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
-        }
-        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
-        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
-      }
-    });
-  }
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [default] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
-  // [default] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
-  // [default] kernel: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
-        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w12;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
-          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
-        }
-        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
-        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
-      }
-    });
-  }
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [default] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
   coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] kernel: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3834,89 +3434,27 @@ void sharded_model_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
   coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [default] matmul_nt d_x (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
-  // [default] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
-  // [default] kernel: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
-        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
-          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
-        }
-        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
-        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
-      }
-    });
-  }
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
-  // [default] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
-  // [default] kernel: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
-        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
-          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
-        }
-        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
-        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
-      }
-    });
-  }
-  trace_42.end();
+  trace_32.end();
 }
 
 // program sharded_model_bwd, schedule prefetched (sharded_mlp.ccn)
@@ -3978,64 +3516,42 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
   float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(13, S_H * S_F);
   COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
-  float* const v_g_y__l2__w2 = coconet::cuda::scratch<float>(14, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l2__w2), "g_y__l2__w2");
-  float* const v_g_w2 = coconet::cuda::scratch<float>(15, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w2), "g_w2");
-  float* const v_g_y__l2__w1 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__w1), "g_y__l2__w1");
-  float* const v_g_w1 = coconet::cuda::scratch<float>(17, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w1), "g_w1");
-  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(18, S_F * S_H);
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(14, S_F * S_H);
   COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
-  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(15, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
-  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(20, S_F * S_H);
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(16, S_F * S_H);
   COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
-  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(17, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
-  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(22, S_H * S_F);
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(18, S_H * S_F);
   COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
-  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
-  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(24, S_H * S_F);
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(20, S_H * S_F);
   COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
-  float* const v_g_y__l1__w2 = coconet::cuda::scratch<float>(25, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__w2), "g_y__l1__w2");
-  float* const v_t0_g_w22 = coconet::cuda::scratch<float>(26, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_w22), "t0_g_w22");
-  float* const v_g_w22 = coconet::cuda::scratch<float>(27, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_w22, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_w22), "g_w22");
-  float* const v_g_y__l1__w1 = coconet::cuda::scratch<float>(28, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__w1), "g_y__l1__w1");
-  float* const v_t1_g_w12 = coconet::cuda::scratch<float>(29, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t1_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t1_g_w12), "t1_g_w12");
-  float* const v_g_w12 = coconet::cuda::scratch<float>(30, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_w12, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_w12), "g_w12");
   float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
-  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
-  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(32, S_F * S_H);
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(22, S_F * S_H);
   COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
-  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
   float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(24, S_H * S_F);
   COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
-  float* const v_g_y__l0__w2 = coconet::cuda::scratch<float>(35, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__w2), "g_y__l0__w2");
-  float* const v_t2_d_w2 = coconet::cuda::scratch<float>(36, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t2_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_t2_d_w2), "t2_d_w2");
   float* const v_d_w2 = a.output<float>(2);
   COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
-  float* const v_g_y__l0__w1 = coconet::cuda::scratch<float>(37, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_g_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__w1), "g_y__l0__w1");
-  float* const v_t3_d_w1 = coconet::cuda::scratch<float>(38, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  COCONET_BUFFER(v_t3_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_t3_d_w1), "t3_d_w1");
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
   coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
@@ -4133,34 +3649,26 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
-  // [prefetched] unindex g_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3, ctx);
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
   // [prefetched] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
-  // [prefetched] unindex g_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3, ctx);
-  trace_20.end();
-  coconet::cuda::trace::Unit trace_21(21, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
   coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
-  trace_21.end();
-  coconet::cuda::trace::Unit trace_22(22, stream);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
   // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
-  trace_22.end();
-  coconet::cuda::trace::Unit trace_23(23, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
   // [prefetched] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_23.end();
-  coconet::cuda::trace::Unit trace_24(24, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
   // [prefetched] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_24.end();
-  coconet::cuda::trace::Unit trace_25(25, stream);
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
   // [prefetched] kernel: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4187,106 +3695,44 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
   // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
   coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
   // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
   // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
-  trace_27.end();
-  coconet::cuda::trace::Unit trace_28(28, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [prefetched] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [prefetched] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
   // [prefetched] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
-  // [prefetched] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3, ctx);
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
-  // [prefetched] kernel: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w2, v_t0_g_w22, v_g_w22), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w2 = coconet::cuda::load<4>(v_g_w2 + i0);
-        const auto in_t0_g_w22 = coconet::cuda::load<4>(v_t0_g_w22 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w22;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(in_g_w2[u]) + coconet::to_compute(in_t0_g_w22[u]));
-          out_g_w22[u] = coconet::from_compute<float>(x_g_w22);
-        }
-        coconet::cuda::store<4>(v_g_w22 + i0, out_g_w22);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w22 = coconet::round_to<float>(coconet::to_compute(v_g_w2[i]) + coconet::to_compute(v_t0_g_w22[i]));
-        v_g_w22[i] = coconet::from_compute<float>(x_g_w22);
-      }
-    });
-  }
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [prefetched] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
-  trace_33.end();
-  coconet::cuda::trace::Unit trace_34(34, stream);
-  // [prefetched] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3, ctx);
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
-  // [prefetched] kernel: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t1_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w1, v_t1_g_w12, v_g_w12), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w1 = coconet::cuda::load<4>(v_g_w1 + i0);
-        const auto in_t1_g_w12 = coconet::cuda::load<4>(v_t1_g_w12 + i0);
-        coconet::cuda::Vec<float, 4> out_g_w12;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(in_g_w1[u]) + coconet::to_compute(in_t1_g_w12[u]));
-          out_g_w12[u] = coconet::from_compute<float>(x_g_w12);
-        }
-        coconet::cuda::store<4>(v_g_w12 + i0, out_g_w12);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_w12 = coconet::round_to<float>(coconet::to_compute(v_g_w1[i]) + coconet::to_compute(v_t1_g_w12[i]));
-        v_g_w12[i] = coconet::from_compute<float>(x_g_w12);
-      }
-    });
-  }
-  trace_35.end();
-  coconet::cuda::trace::Unit trace_36(36, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
   coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
-  trace_36.end();
-  coconet::cuda::trace::Unit trace_37(37, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [prefetched] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_37.end();
-  coconet::cuda::trace::Unit trace_38(38, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [prefetched] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_38.end();
-  coconet::cuda::trace::Unit trace_39(39, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [prefetched] kernel: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4313,89 +3759,27 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_39.end();
-  coconet::cuda::trace::Unit trace_40(40, stream);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
   // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
   coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
-  trace_40.end();
-  coconet::cuda::trace::Unit trace_41(41, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [prefetched] matmul_nt d_x (sharded_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
-  trace_41.end();
-  coconet::cuda::trace::Unit trace_42(42, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
   // [prefetched] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
-  trace_42.end();
-  coconet::cuda::trace::Unit trace_43(43, stream);
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
   // [prefetched] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
-  trace_43.end();
-  coconet::cuda::trace::Unit trace_44(44, stream);
-  // [prefetched] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3, ctx);
-  trace_44.end();
-  coconet::cuda::trace::Unit trace_45(45, stream);
-  // [prefetched] kernel: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w22, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_R(v_t2_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_w2, 0, int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_w22, v_t2_d_w2, v_d_w2), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w22 = coconet::cuda::load<4>(v_g_w22 + i0);
-        const auto in_t2_d_w2 = coconet::cuda::load<4>(v_t2_d_w2 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(in_g_w22[u]) + coconet::to_compute(in_t2_d_w2[u]));
-          out_d_w2[u] = coconet::from_compute<float>(x_d_w2);
-        }
-        coconet::cuda::store<4>(v_d_w2 + i0, out_d_w2);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w2 = coconet::round_to<float>(coconet::to_compute(v_g_w22[i]) + coconet::to_compute(v_t2_d_w2[i]));
-        v_d_w2[i] = coconet::from_compute<float>(x_d_w2);
-      }
-    });
-  }
-  trace_45.end();
-  coconet::cuda::trace::Unit trace_46(46, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
   // [prefetched] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
-  trace_46.end();
-  coconet::cuda::trace::Unit trace_47(47, stream);
-  // [prefetched] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::cuda::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3, ctx);
-  trace_47.end();
-  coconet::cuda::trace::Unit trace_48(48, stream);
-  // [prefetched] kernel: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_w12, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_R(v_t3_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F), COCONET_W(v_d_w1, 0, int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F));
-    coconet::cuda::launch_threads<4>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_w12, v_t3_d_w1, v_d_w1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_w12 = coconet::cuda::load<4>(v_g_w12 + i0);
-        const auto in_t3_d_w1 = coconet::cuda::load<4>(v_t3_d_w1 + i0);
-        coconet::cuda::Vec<float, 4> out_d_w1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(in_g_w12[u]) + coconet::to_compute(in_t3_d_w1[u]));
-          out_d_w1[u] = coconet::from_compute<float>(x_d_w1);
-        }
-        coconet::cuda::store<4>(v_d_w1 + i0, out_d_w1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_w1 = coconet::round_to<float>(coconet::to_compute(v_g_w12[i]) + coconet::to_compute(v_t3_d_w1[i]));
-        v_d_w1[i] = coconet::from_compute<float>(x_d_w1);
-      }
-    });
-  }
-  trace_48.end();
+  trace_38.end();
 }
 
 }  // namespace coconet_gen

@@ -40,36 +40,28 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
   float* const v_y__l2__w1g = coconet::scratch<float, 11>(S_H * S_F);
   float* const v_g_y__l1__y = coconet::scratch<float, 12>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_g_y__l2__w1g_part = coconet::scratch<float, 13>(S_H * S_F);
-  float* const v_g_y__l2__w2 = coconet::scratch<float, 14>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w2 = coconet::scratch<float, 15>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l2__w1 = coconet::scratch<float, 16>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w1 = coconet::scratch<float, 17>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
   float* const v_y__l1__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
-  float* const v_g_y__l1__a = coconet::scratch<float, 18>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 19>(S_F * S_H);
-  float* const v_g_y__l1__h = coconet::scratch<float, 20>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__a = coconet::scratch<float, 14>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 15>(S_F * S_H);
+  float* const v_g_y__l1__h = coconet::scratch<float, 16>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   float* const v_y__l1__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
-  float* const v_g_y__l0__y = coconet::scratch<float, 21>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 22>(S_H * S_F);
-  float* const v_g_y__l1__w2 = coconet::scratch<float, 23>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t0_g_w22 = coconet::scratch<float, 24>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w22 = coconet::scratch<float, 25>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1 = coconet::scratch<float, 26>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t1_g_w12 = coconet::scratch<float, 27>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w12 = coconet::scratch<float, 28>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__y = coconet::scratch<float, 17>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 18>(S_H * S_F);
   float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
-  float* const v_g_y__l0__a = coconet::scratch<float, 29>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 30>(S_F * S_H);
-  float* const v_g_y__l0__h = coconet::scratch<float, 31>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__a = coconet::scratch<float, 19>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 20>(S_F * S_H);
+  float* const v_g_y__l0__h = coconet::scratch<float, 21>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 32>(S_H * S_F);
-  float* const v_g_y__l0__w2 = coconet::scratch<float, 33>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t2_d_w2 = coconet::scratch<float, 34>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 22>(S_H * S_F);
   float* const v_d_w2 = a.output<float>(2);
-  float* const v_g_y__l0__w1 = coconet::scratch<float, 35>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t3_d_w1 = coconet::scratch<float, 36>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::trace::Unit trace_0(0);
   // [default] index y__l0__w1 (sharded_mlp.ccn:40)
   coconet::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0);
@@ -148,30 +140,22 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, comm);
   trace_13.end();
   coconet::trace::Unit trace_14(14);
-  // [default] unindex g_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3);
-  trace_14.end();
-  coconet::trace::Unit trace_15(15);
   // [default] reducescatter g_y__l2__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, comm);
-  trace_15.end();
-  coconet::trace::Unit trace_16(16);
-  // [default] unindex g_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3);
-  trace_16.end();
-  coconet::trace::Unit trace_17(17);
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
   // [default] allgather y__l1__w2g (sharded_mlp.ccn:12)
   coconet::allgather(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, comm);
-  trace_17.end();
-  coconet::trace::Unit trace_18(18);
+  trace_15.end();
+  coconet::trace::Unit trace_16(16);
   // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_18.end();
-  coconet::trace::Unit trace_19(19);
+  trace_16.end();
+  coconet::trace::Unit trace_17(17);
   // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_19.end();
-  coconet::trace::Unit trace_20(20);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // [default] loop: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -195,96 +179,40 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_20.end();
-  coconet::trace::Unit trace_21(21);
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // [default] allgather y__l1__w1g (sharded_mlp.ccn:9)
   coconet::allgather(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, comm);
-  trace_21.end();
-  coconet::trace::Unit trace_22(22);
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_22.end();
-  coconet::trace::Unit trace_23(23);
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_23.end();
-  coconet::trace::Unit trace_24(24);
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // [default] reducescatter g_y__l1__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, comm);
-  trace_24.end();
-  coconet::trace::Unit trace_25(25);
-  // [default] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3);
-  trace_25.end();
-  coconet::trace::Unit trace_26(26);
-  // [default] loop: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_g_w2 = v_g_w2;
-      const auto l_v_g_w22 = v_g_w22;
-      const auto l_v_t0_g_w22 = v_t0_g_w22;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_g_w22[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w2[i]) + coconet::to_compute(l_v_t0_g_w22[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_26.end();
-  coconet::trace::Unit trace_27(27);
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [default] reducescatter g_y__l1__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, comm);
-  trace_27.end();
-  coconet::trace::Unit trace_28(28);
-  // [default] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3);
-  trace_28.end();
-  coconet::trace::Unit trace_29(29);
-  // [default] loop: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_g_w1 = v_g_w1;
-      const auto l_v_g_w12 = v_g_w12;
-      const auto l_v_t1_g_w12 = v_t1_g_w12;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_g_w12[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w1[i]) + coconet::to_compute(l_v_t1_g_w12[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_29.end();
-  coconet::trace::Unit trace_30(30);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [default] allgather y__l0__w2g (sharded_mlp.ccn:12)
   coconet::allgather(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, comm);
-  trace_30.end();
-  coconet::trace::Unit trace_31(31);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_31.end();
-  coconet::trace::Unit trace_32(32);
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_32.end();
-  coconet::trace::Unit trace_33(33);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [default] loop: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -308,83 +236,27 @@ void sharded_model_bwd__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_33.end();
-  coconet::trace::Unit trace_34(34);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [default] allgather y__l0__w1g (sharded_mlp.ccn:9)
   coconet::allgather(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, comm);
-  trace_34.end();
-  coconet::trace::Unit trace_35(35);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [default] matmul_nt d_x (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_35.end();
-  coconet::trace::Unit trace_36(36);
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_36.end();
-  coconet::trace::Unit trace_37(37);
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [default] reducescatter g_y__l0__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, comm);
-  trace_37.end();
-  coconet::trace::Unit trace_38(38);
-  // [default] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3);
-  trace_38.end();
-  coconet::trace::Unit trace_39(39);
-  // [default] loop: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_d_w2 = v_d_w2;
-      const auto l_v_g_w22 = v_g_w22;
-      const auto l_v_t2_d_w2 = v_t2_d_w2;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_d_w2[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w22[i]) + coconet::to_compute(l_v_t2_d_w2[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_39.end();
-  coconet::trace::Unit trace_40(40);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [default] reducescatter g_y__l0__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, comm);
-  trace_40.end();
-  coconet::trace::Unit trace_41(41);
-  // [default] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3);
-  trace_41.end();
-  coconet::trace::Unit trace_42(42);
-  // [default] loop: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_d_w1 = v_d_w1;
-      const auto l_v_g_w12 = v_g_w12;
-      const auto l_v_t3_d_w1 = v_t3_d_w1;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_d_w1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w12[i]) + coconet::to_compute(l_v_t3_d_w1[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_42.end();
+  trace_32.end();
 }
 
 }  // namespace coconet_gen

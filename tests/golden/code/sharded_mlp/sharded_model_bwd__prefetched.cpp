@@ -40,36 +40,28 @@ void sharded_model_bwd__prefetched(const coconet::CallArgs& a) {
   float* const v_y__l2__w1g = coconet::scratch<float, 11>(S_H * S_F);
   float* const v_g_y__l1__y = coconet::scratch<float, 12>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_g_y__l2__w1g_part = coconet::scratch<float, 13>(S_H * S_F);
-  float* const v_g_y__l2__w2 = coconet::scratch<float, 14>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w2 = coconet::scratch<float, 15>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l2__w1 = coconet::scratch<float, 16>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w1 = coconet::scratch<float, 17>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_y__l1__w2g = coconet::scratch<float, 18>(S_F * S_H);
-  float* const v_g_y__l1__a = coconet::scratch<float, 19>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 20>(S_F * S_H);
-  float* const v_g_y__l1__h = coconet::scratch<float, 21>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_y__l1__w1g = coconet::scratch<float, 22>(S_H * S_F);
-  float* const v_g_y__l0__y = coconet::scratch<float, 23>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 24>(S_H * S_F);
-  float* const v_g_y__l1__w2 = coconet::scratch<float, 25>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t0_g_w22 = coconet::scratch<float, 26>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w22 = coconet::scratch<float, 27>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1 = coconet::scratch<float, 28>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t1_g_w12 = coconet::scratch<float, 29>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w12 = coconet::scratch<float, 30>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w2g = coconet::scratch<float, 14>(S_F * S_H);
+  float* const v_g_y__l1__a = coconet::scratch<float, 15>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 16>(S_F * S_H);
+  float* const v_g_y__l1__h = coconet::scratch<float, 17>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_y__l1__w1g = coconet::scratch<float, 18>(S_H * S_F);
+  float* const v_g_y__l0__y = coconet::scratch<float, 19>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 20>(S_H * S_F);
   float* const v_y__l0__w2g = v_y__l2__w2g;  // in y__l2__w2g's memory: gathered after its last reader
-  float* const v_g_y__l0__a = coconet::scratch<float, 31>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 32>(S_F * S_H);
-  float* const v_g_y__l0__h = coconet::scratch<float, 33>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__a = coconet::scratch<float, 21>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 22>(S_F * S_H);
+  float* const v_g_y__l0__h = coconet::scratch<float, 23>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   float* const v_y__l0__w1g = v_y__l2__w1g;  // in y__l2__w1g's memory: gathered after its last reader
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 34>(S_H * S_F);
-  float* const v_g_y__l0__w2 = coconet::scratch<float, 35>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t2_d_w2 = coconet::scratch<float, 36>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 24>(S_H * S_F);
   float* const v_d_w2 = a.output<float>(2);
-  float* const v_g_y__l0__w1 = coconet::scratch<float, 37>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t3_d_w1 = coconet::scratch<float, 38>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::trace::Unit trace_0(0);
   // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
   coconet::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2);
@@ -192,47 +184,35 @@ void sharded_model_bwd__prefetched(const coconet::CallArgs& a) {
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
   trace_17.end();
   coconet::trace::Unit trace_18(18);
-  // [prefetched] unindex g_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3);
-  pf_y__l1__w2g->test();  // the prefetched gather of y__l1__w2g, in flight
-  pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
-  trace_18.end();
-  coconet::trace::Unit trace_19(19);
   // [prefetched] reducescatter g_y__l2__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, comm);
   pf_y__l1__w2g->test();  // the prefetched gather of y__l1__w2g, in flight
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
-  trace_19.end();
-  coconet::trace::Unit trace_20(20);
-  // [prefetched] unindex g_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3);
-  pf_y__l1__w2g->test();  // the prefetched gather of y__l1__w2g, in flight
-  pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
-  trace_20.end();
-  coconet::trace::Unit trace_21(21);
+  trace_18.end();
+  coconet::trace::Unit trace_19(19);
   // [prefetched] allgather y__l1__w2g (prefetched: its wait) (sharded_mlp.ccn:12)
   pf_y__l1__w2g->wait();
   pf_y__l1__w2g.reset();
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
-  trace_21.end();
-  coconet::trace::Unit trace_22(22);
+  trace_19.end();
+  coconet::trace::Unit trace_20(20);
   // [prefetched] start allgather y__l0__w2g (prefetch) (sharded_mlp.ccn:12)
   std::unique_ptr<coconet::Task> pf_y__l0__w2g = coconet::start_allgather(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, comm, 1);
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
-  trace_22.end();
-  coconet::trace::Unit trace_23(23);
+  trace_20.end();
+  coconet::trace::Unit trace_21(21);
   // [prefetched] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  trace_23.end();
-  coconet::trace::Unit trace_24(24);
+  trace_21.end();
+  coconet::trace::Unit trace_22(22);
   // [prefetched] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  trace_24.end();
-  coconet::trace::Unit trace_25(25);
+  trace_22.end();
+  coconet::trace::Unit trace_23(23);
   // [prefetched] loop: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -258,123 +238,59 @@ void sharded_model_bwd__prefetched(const coconet::CallArgs& a) {
   }
   pf_y__l1__w1g->test();  // the prefetched gather of y__l1__w1g, in flight
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  trace_25.end();
-  coconet::trace::Unit trace_26(26);
+  trace_23.end();
+  coconet::trace::Unit trace_24(24);
   // [prefetched] allgather y__l1__w1g (prefetched: its wait) (sharded_mlp.ccn:9)
   pf_y__l1__w1g->wait();
   pf_y__l1__w1g.reset();
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  trace_26.end();
-  coconet::trace::Unit trace_27(27);
+  trace_24.end();
+  coconet::trace::Unit trace_25(25);
   // [prefetched] start allgather y__l0__w1g (prefetch) (sharded_mlp.ccn:9)
   std::unique_ptr<coconet::Task> pf_y__l0__w1g = coconet::start_allgather(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, comm, 1);
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  trace_27.end();
-  coconet::trace::Unit trace_28(28);
+  trace_25.end();
+  coconet::trace::Unit trace_26(26);
   // [prefetched] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_28.end();
-  coconet::trace::Unit trace_29(29);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [prefetched] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_29.end();
-  coconet::trace::Unit trace_30(30);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [prefetched] reducescatter g_y__l1__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, comm);
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_30.end();
-  coconet::trace::Unit trace_31(31);
-  // [prefetched] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3);
-  pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_31.end();
-  coconet::trace::Unit trace_32(32);
-  // [prefetched] loop: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_g_w2 = v_g_w2;
-      const auto l_v_g_w22 = v_g_w22;
-      const auto l_v_t0_g_w22 = v_t0_g_w22;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_g_w22[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w2[i]) + coconet::to_compute(l_v_t0_g_w22[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_32.end();
-  coconet::trace::Unit trace_33(33);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [prefetched] reducescatter g_y__l1__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, comm);
   pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_33.end();
-  coconet::trace::Unit trace_34(34);
-  // [prefetched] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3);
-  pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_34.end();
-  coconet::trace::Unit trace_35(35);
-  // [prefetched] loop: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_g_w1 = v_g_w1;
-      const auto l_v_g_w12 = v_g_w12;
-      const auto l_v_t1_g_w12 = v_t1_g_w12;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_g_w12[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w1[i]) + coconet::to_compute(l_v_t1_g_w12[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  pf_y__l0__w2g->test();  // the prefetched gather of y__l0__w2g, in flight
-  pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_35.end();
-  coconet::trace::Unit trace_36(36);
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [prefetched] allgather y__l0__w2g (prefetched: its wait) (sharded_mlp.ccn:12)
   pf_y__l0__w2g->wait();
   pf_y__l0__w2g.reset();
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_36.end();
-  coconet::trace::Unit trace_37(37);
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [prefetched] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_37.end();
-  coconet::trace::Unit trace_38(38);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [prefetched] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_38.end();
-  coconet::trace::Unit trace_39(39);
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [prefetched] loop: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -399,84 +315,28 @@ void sharded_model_bwd__prefetched(const coconet::CallArgs& a) {
       run(0, n);
   }
   pf_y__l0__w1g->test();  // the prefetched gather of y__l0__w1g, in flight
-  trace_39.end();
-  coconet::trace::Unit trace_40(40);
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [prefetched] allgather y__l0__w1g (prefetched: its wait) (sharded_mlp.ccn:9)
   pf_y__l0__w1g->wait();
   pf_y__l0__w1g.reset();
-  trace_40.end();
-  coconet::trace::Unit trace_41(41);
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [prefetched] matmul_nt d_x (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_41.end();
-  coconet::trace::Unit trace_42(42);
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [prefetched] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_42.end();
-  coconet::trace::Unit trace_43(43);
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [prefetched] reducescatter g_y__l0__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, comm);
-  trace_43.end();
-  coconet::trace::Unit trace_44(44);
-  // [prefetched] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3);
-  trace_44.end();
-  coconet::trace::Unit trace_45(45);
-  // [prefetched] loop: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_d_w2 = v_d_w2;
-      const auto l_v_g_w22 = v_g_w22;
-      const auto l_v_t2_d_w2 = v_t2_d_w2;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_d_w2[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w22[i]) + coconet::to_compute(l_v_t2_d_w2[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_45.end();
-  coconet::trace::Unit trace_46(46);
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [prefetched] reducescatter g_y__l0__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, comm);
-  trace_46.end();
-  coconet::trace::Unit trace_47(47);
-  // [prefetched] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3);
-  trace_47.end();
-  coconet::trace::Unit trace_48(48);
-  // [prefetched] loop: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_d_w1 = v_d_w1;
-      const auto l_v_g_w12 = v_g_w12;
-      const auto l_v_t3_d_w1 = v_t3_d_w1;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_d_w1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w12[i]) + coconet::to_compute(l_v_t3_d_w1[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_48.end();
+  trace_38.end();
 }
 
 }  // namespace coconet_gen

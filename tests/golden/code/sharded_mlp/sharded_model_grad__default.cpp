@@ -44,32 +44,24 @@ void sharded_model_grad__default(const coconet::CallArgs& a) {
   float* const v_g_y__l2__h = coconet::scratch<float, 23>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   float* const v_g_y__l1__y = coconet::scratch<float, 24>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
   float* const v_g_y__l2__w1g_part = coconet::scratch<float, 25>(S_H * S_F);
-  float* const v_g_y__l2__w2 = coconet::scratch<float, 26>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w2 = coconet::scratch<float, 27>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l2__w1 = coconet::scratch<float, 28>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w1 = coconet::scratch<float, 29>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__a = coconet::scratch<float, 30>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 31>(S_F * S_H);
-  float* const v_g_y__l1__h = coconet::scratch<float, 32>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__y = coconet::scratch<float, 33>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 34>(S_H * S_F);
-  float* const v_g_y__l1__w2 = coconet::scratch<float, 35>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t0_g_w22 = coconet::scratch<float, 36>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_w22 = coconet::scratch<float, 37>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_g_y__l1__w1 = coconet::scratch<float, 38>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t1_g_w12 = coconet::scratch<float, 39>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_w12 = coconet::scratch<float, 40>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__a = coconet::scratch<float, 41>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
-  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 42>(S_F * S_H);
-  float* const v_g_y__l0__h = coconet::scratch<float, 43>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__a = coconet::scratch<float, 26>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l1__w2g_part = coconet::scratch<float, 27>(S_F * S_H);
+  float* const v_g_y__l1__h = coconet::scratch<float, 28>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__y = coconet::scratch<float, 29>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l1__w1g_part = coconet::scratch<float, 30>(S_H * S_F);
+  float* const v_g_y__l0__a = coconet::scratch<float, 31>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l0__w2g_part = coconet::scratch<float, 32>(S_F * S_H);
+  float* const v_g_y__l0__h = coconet::scratch<float, 33>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 44>(S_H * S_F);
-  float* const v_g_y__l0__w2 = coconet::scratch<float, 45>(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
-  float* const v_t2_d_w2 = coconet::scratch<float, 46>(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y__l0__w1g_part = coconet::scratch<float, 34>(S_H * S_F);
   float* const v_d_w2 = a.output<float>(2);
-  float* const v_g_y__l0__w1 = coconet::scratch<float, 47>(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
-  float* const v_t3_d_w1 = coconet::scratch<float, 48>(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
   float* const v_d_w1 = a.output<float>(1);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
   coconet::trace::Unit trace_0(0);
   // [default] index y__l0__w1 (sharded_mlp.ccn:40)
   coconet::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0);
@@ -253,26 +245,18 @@ void sharded_model_grad__default(const coconet::CallArgs& a) {
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, comm);
   trace_25.end();
   coconet::trace::Unit trace_26(26);
-  // [default] unindex g_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w2, v_g_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, 3);
-  trace_26.end();
-  coconet::trace::Unit trace_27(27);
   // [default] reducescatter g_y__l2__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, comm);
-  trace_27.end();
-  coconet::trace::Unit trace_28(28);
-  // [default] unindex g_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l2__w1, v_g_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, 3);
-  trace_28.end();
-  coconet::trace::Unit trace_29(29);
+  trace_26.end();
+  coconet::trace::Unit trace_27(27);
   // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_29.end();
-  coconet::trace::Unit trace_30(30);
+  trace_27.end();
+  coconet::trace::Unit trace_28(28);
   // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_30.end();
-  coconet::trace::Unit trace_31(31);
+  trace_28.end();
+  coconet::trace::Unit trace_29(29);
   // [default] loop: g_y__l1__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -296,88 +280,32 @@ void sharded_model_grad__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_31.end();
-  coconet::trace::Unit trace_32(32);
+  trace_29.end();
+  coconet::trace::Unit trace_30(30);
   // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_32.end();
-  coconet::trace::Unit trace_33(33);
+  trace_30.end();
+  coconet::trace::Unit trace_31(31);
   // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_33.end();
-  coconet::trace::Unit trace_34(34);
+  trace_31.end();
+  coconet::trace::Unit trace_32(32);
   // [default] reducescatter g_y__l1__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, comm);
-  trace_34.end();
-  coconet::trace::Unit trace_35(35);
-  // [default] unindex t0_g_w22 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l1__w2, v_t0_g_w22, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, 3);
-  trace_35.end();
-  coconet::trace::Unit trace_36(36);
-  // [default] loop: g_w22 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_g_w2 = v_g_w2;
-      const auto l_v_g_w22 = v_g_w22;
-      const auto l_v_t0_g_w22 = v_t0_g_w22;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_g_w22[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w2[i]) + coconet::to_compute(l_v_t0_g_w22[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_36.end();
-  coconet::trace::Unit trace_37(37);
+  trace_32.end();
+  coconet::trace::Unit trace_33(33);
   // [default] reducescatter g_y__l1__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, comm);
-  trace_37.end();
-  coconet::trace::Unit trace_38(38);
-  // [default] unindex t1_g_w12 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l1__w1, v_t1_g_w12, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, 3);
-  trace_38.end();
-  coconet::trace::Unit trace_39(39);
-  // [default] loop: g_w12 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_g_w1 = v_g_w1;
-      const auto l_v_g_w12 = v_g_w12;
-      const auto l_v_t1_g_w12 = v_t1_g_w12;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_g_w12[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w1[i]) + coconet::to_compute(l_v_t1_g_w12[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_39.end();
-  coconet::trace::Unit trace_40(40);
+  trace_33.end();
+  coconet::trace::Unit trace_34(34);
   // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_40.end();
-  coconet::trace::Unit trace_41(41);
+  trace_34.end();
+  coconet::trace::Unit trace_35(35);
   // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_41.end();
-  coconet::trace::Unit trace_42(42);
+  trace_35.end();
+  coconet::trace::Unit trace_36(36);
   // [default] loop: g_y__l0__h (sharded_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -401,79 +329,23 @@ void sharded_model_grad__default(const coconet::CallArgs& a) {
     else
       run(0, n);
   }
-  trace_42.end();
-  coconet::trace::Unit trace_43(43);
+  trace_36.end();
+  coconet::trace::Unit trace_37(37);
   // [default] matmul_nt d_x (sharded_mlp.ccn)
   coconet::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H);
-  trace_43.end();
-  coconet::trace::Unit trace_44(44);
+  trace_37.end();
+  coconet::trace::Unit trace_38(38);
   // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
   coconet::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F);
-  trace_44.end();
-  coconet::trace::Unit trace_45(45);
+  trace_38.end();
+  coconet::trace::Unit trace_39(39);
   // [default] reducescatter g_y__l0__w2 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, comm);
-  trace_45.end();
-  coconet::trace::Unit trace_46(46);
-  // [default] unindex t2_d_w2 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l0__w2, v_t2_d_w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, 3);
-  trace_46.end();
-  coconet::trace::Unit trace_47(47);
-  // [default] loop: d_w2 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_d_w2 = v_d_w2;
-      const auto l_v_g_w22 = v_g_w22;
-      const auto l_v_t2_d_w2 = v_t2_d_w2;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_d_w2[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w22[i]) + coconet::to_compute(l_v_t2_d_w2[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_47.end();
-  coconet::trace::Unit trace_48(48);
+  trace_39.end();
+  coconet::trace::Unit trace_40(40);
   // [default] reducescatter g_y__l0__w1 (sharded_mlp.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, comm);
-  trace_48.end();
-  coconet::trace::Unit trace_49(49);
-  // [default] unindex t3_d_w1 (sharded_mlp.ccn)
-  coconet::unindex<float>(v_g_y__l0__w1, v_t3_d_w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, 3);
-  trace_49.end();
-  coconet::trace::Unit trace_50(50);
-  // [default] loop: d_w1 (sharded_mlp.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_H, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_v_d_w1 = v_d_w1;
-      const auto l_v_g_w12 = v_g_w12;
-      const auto l_v_t3_d_w1 = v_t3_d_w1;
-      COCONET_IVDEP
-    for (int64_t i = lo; i < hi; ++i) {
-      l_v_d_w1[i] = coconet::from_compute<float>(coconet::to_compute(l_v_g_w12[i]) + coconet::to_compute(l_v_t3_d_w1[i]));
-    }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
-  }
-  trace_50.end();
+  trace_40.end();
 }
 
 }  // namespace coconet_gen
