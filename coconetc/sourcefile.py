@@ -30,6 +30,7 @@ from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive, Fuse
 from coconetc.schedule.fusion import FUSE_ADVICE, REORDER_FIRST_ADVICE
+from coconetc.schedule.prefetch import keep_refused, keeps_gathered
 
 
 
@@ -261,13 +262,19 @@ def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
 
 
 def _split(mod: SourceFile, program: str, grad: str) -> None:
-    cut = split(mod.programs[program], mod.programs[grad])
-    for ir, base in ((cut.forward, program), (cut.backward, grad)):
-        _add_derived(mod, ir, program, base)
+    """The training cut of PROGRAM, and where a schedule of its derived program GRAD says
+    keep_gathered(), the cut that keeps the gathered weights (`<p>_fwd_kept`, `<p>_bwd_kept`):
+    that schedule applies to the kept cut's backward, not to the other's."""
+    kept = any(keeps_gathered(s.directives) for s in mod.schedules[grad].values())
+    for keep in (False, True) if kept else (False,):
+        cut = split(mod.programs[program], mod.programs[grad], keep_gathered=keep)
+        for ir, base in ((cut.forward, program), (cut.backward, grad)):
+            _add_derived(mod, ir, program, base, keep if base == grad else None)
 
 
-def _add_derived(mod: SourceFile, ir: Program, program: str, base: str) -> None:
-    """Add IR, derived from PROGRAM, with the schedules of BASE that apply to it unchanged."""
+def _add_derived(mod: SourceFile, ir: Program, program: str, base: str, kept: bool | None = None) -> None:
+    """Add IR, derived from PROGRAM, with the schedules of BASE that apply to it unchanged
+    (kept: only those whose keep_gathered() says so, True or False; None: every one)."""
     if ir.name in mod.programs:
         if mod.derived.get(ir.name) == program:
             return
@@ -278,7 +285,7 @@ def _add_derived(mod: SourceFile, ir: Program, program: str, base: str) -> None:
     mod.derived[ir.name] = program
     mod.schedules[ir.name] = {}
     for sname, sched in mod.schedules[base].items():
-        if sched.ir is None:
+        if sched.ir is None or (kept is not None and keeps_gathered(sched.directives) != kept):
             continue
         try:  # the same directives; one that names a value this program does not have fails
             again = apply_all(ir, sched.directives)
@@ -382,6 +389,9 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
             raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.target, (), None)
         return
+    refused = keep_refused(mod.programs[sched.target], directives, sched.grad)
+    if refused is not None:
+        raise refused
     try:
         ir = apply_all(mod.programs[sched.target], directives)
         mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)

@@ -160,6 +160,7 @@ EXEMPT = {
                    "sliced(0),"): "an excerpt of examples/sharded_mlp.ccn (EXCERPTS)",
     ("sharded.md", "  L66   library d_x__g_w2g_part = matmul_tn(d_x__a, d_y)"):
         "program output (the plan above; OUTPUTS)",
+    ("sharded.md", "schedule kept for grad(sharded_model) {"): "an excerpt of examples/sharded_mlp.ccn (EXCERPTS)",
     ("train_gpt.md", "python examples/train_gpt.py --mode tp --ranks 2           # tensor parallelism on 2 ranks"):
         "tests/test_train_gpt.py runs each mode (tp, sp on 2 ranks; tp_dp, pp_tp on 4) at tiny sizes",
     ("train_gpt.md", "== sp: gpt_block_sp on 4 ranks, sequence parallel over 4 ranks; schedule overlapped, grad "
@@ -200,6 +201,7 @@ EXCERPTS = {
                    "sliced(1)) {"): "examples/sharded_mlp.ccn",
     ("sharded.md", "program sharded_adamw(x: f32[B, H] sliced(0), w1: f32[H, F] sliced(0), w2: f32[F, H] "
                    "sliced(0),"): "examples/sharded_mlp.ccn",
+    ("sharded.md", "schedule kept for grad(sharded_model) {"): "examples/sharded_mlp.ccn",
 }
 
 # The ```text blocks that are a command's output, or a part of it (test_outputs_are_the_commands).

@@ -39,6 +39,7 @@ from coconetc.toolchain import probes
 import rank_pool
 
 FILE = Path(__file__).resolve().parent / "programs" / "gather_matmul.ccn"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded_mlp.ccn"
 RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
 COCONETC = str(Path(sys.executable).parent / "coconetc")
 PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["default", "packed"],
@@ -174,6 +175,23 @@ def test_a_program_without_weight_gathers_cannot_prefetch():
     assert src.splitlines()[d.span.line - 1][d.span.col - 1:].startswith("prefetch"), d.span
 
 
+@pytest.mark.parametrize("target, directive, where, message", [
+    ("q", "keep_gathered()", "keep_gathered", "a directive of a derived program's schedule (schedule ... for grad(q))"),
+    ("grad(q)", "keep_gathered()\n    keep_gathered()", "keep_gathered", "keep_gathered(): one a schedule"),
+    ("grad(r)", "keep_gathered()", "keep_gathered", "r_grad gathers no weight"),
+    ("grad(q)", "keep_gathered(wg)", "keep_gathered(wg", "keep_gathered() takes no names"),
+    ("grad(q)", "keep_gathered(depth=1)", "depth=1", "keep_gathered() has no argument 'depth'"),
+])
+def test_bad_keep_gathered_are_located_errors(target, directive, where, message):
+    src = PREFETCH_BAD + f"schedule s for {target} {{\n    {directive}\n}}\n"
+    with pytest.raises(CompileError) as err:
+        load_source(src, "t.ccn")
+    d = err.value.diagnostics[0]
+    assert message in d.message, d.message
+    line = src.splitlines()[d.span.line - 1]
+    assert line[d.span.col - 1:].startswith(where), (line, d.span)
+
+
 BAD = """
 program q(x: f32[B, S, H] sliced(1), w: f32[H, F] sliced(1), v: f32[F, H] sliced(0), u: f32[H, F] local) {
     g = allgather(x)
@@ -292,6 +310,43 @@ def test_a_stacked_weights_gradient_is_made_in_its_rows():
     assert stacked == [], stacked
 
 
+def test_keep_gathered_pairs_the_cut_that_keeps_the_gathered_weights():
+    """examples/sharded_mlp.ccn's `kept` schedule of grad(sharded_model) (keep_gathered()): the
+    cut it pairs with saves every gathered weight and its backward gathers none; the default
+    schedule pairs the cut that gathers them again; forward then backward of the kept cut give
+    the derived program's gradients (the interpreter, 2 ranks, f64)."""
+    from coconetc.autodiff.saved import pairing
+    from coconetc.plan.label import DEFAULT
+    from coconetc.sourcefile import with_grads
+    mod = with_grads(load_source(EXAMPLE.read_text().replace("f32", "f64"), "sharded_mlp.ccn"), ["sharded_model"])
+    kept = pairing(mod.programs, mod.schedules, "sharded_model", "sharded_model_grad", DEFAULT, "kept", DEFAULT)
+    again = pairing(mod.programs, mod.schedules, "sharded_model", "sharded_model_grad", DEFAULT, DEFAULT, DEFAULT)
+    assert (kept.forward, kept.backward) == ("sharded_model_fwd_kept", "sharded_model_bwd_kept"), kept
+    assert (again.forward, again.backward) == ("sharded_model_fwd", "sharded_model_bwd"), again
+    gathered = {f"y__l{k}__w{j}g" for k in range(3) for j in (1, 2)}
+    assert gathered <= set(kept.saved) and not gathered & set(again.saved), (kept.saved, again.saved)
+    fwd, bwd, grad = (mod.programs[n] for n in ("sharded_model_fwd_kept", "sharded_model_bwd_kept", "sharded_model_grad"))
+    assert not [st for st in bwd.stages if getattr(st.expr, "op", "") == "allgather"]
+    assert "kept" in mod.schedules["sharded_model_bwd_kept"] and "kept" not in mod.schedules["sharded_model_bwd"]
+    ranks, (B, H, F) = 2, (5, 3, 4)
+    rng = np.random.default_rng(5)
+    whole = {"x": rng.standard_normal((B, H)), "w1": rng.standard_normal((3, H, F)) * 0.5,
+             "w2": rng.standard_normal((3, F, H)) * 0.5, "d_y": rng.standard_normal((B, H))}
+    dims = {"x": 0, "w1": 1, "w2": 1, "d_y": 0}
+
+    def part(name: str, r: int):
+        lo, hi = slice_range(whole[name].shape[dims[name]], ranks, r)
+        return np.ascontiguousarray(np.take(whole[name], range(lo, hi), axis=dims[name]))
+    f = run(fwd, [{n: part(n, r) for n in ("x", "w1", "w2")} for r in range(ranks)])
+    got = run(bwd, [{**{n: part(n, r) for n in dims}, **{v: f[r].outputs[f"saved_{v}"] for v in kept.saved}}
+                    for r in range(ranks)])
+    want = run(grad, [{n: part(n, r) for n in dims} for r in range(ranks)])
+    for r in range(ranks):
+        for pub in want[r].outputs:
+            np.testing.assert_allclose(got[r].outputs[pub], want[r].outputs[pub], rtol=1e-12, atol=1e-13,
+                                       err_msg=f"{pub} on rank {r}")
+
+
 def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_program():
     """The derived program cut for training (autodiff/saved.py) saves no gathered weight: the
     backward gathers each again, the last layer's first, and its schedule's prefetch starts
@@ -327,8 +382,6 @@ def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_progr
             np.testing.assert_allclose(got[r].outputs[pub], want[r].outputs[pub], rtol=1e-12, atol=1e-13,
                                        err_msg=f"{pub} on rank {r}")
 
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded_mlp.ccn"
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

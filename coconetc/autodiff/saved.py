@@ -8,7 +8,8 @@ own stages and not 0-d (the stages a schedule of p names, so that p's schedules 
 saving forward unchanged), except a layer of a stacked parameter (`index(w, i)`: a view of w)
 and a weight's all-gather (ir/gathers.py: a parameter sliced over the ranks, gathered where it
 is used; FSDP's reshard after the forward: the backward gathers it again, so that between the
-two a rank holds only its slices); the rest (operations the derivation gave a stage of their own, such
+two a rank holds only its slices; a schedule's keep_gathered() pairs the cut that saves them,
+`<p>_fwd_kept`/`<p>_bwd_kept`); the rest (operations the derivation gave a stage of their own, such
 as the `a + b1` inside `gelu(a + b1)`, and 0-d values) are recomputed by the backward from the
 saved values and the inputs.
 
@@ -27,6 +28,7 @@ from coconetc.autodiff.vjp import cotangent_params, live, recomputed
 from coconetc.ir.expr import Op, Ref, refs
 from coconetc.ir.gathers import weight_of
 from coconetc.ir.nodes import Param, Program
+from coconetc.schedule.prefetch import keeps_gathered
 
 
 @dataclass(frozen=True)
@@ -37,15 +39,22 @@ class Split:
     recomputed: tuple[str, ...]  # the forward values the backward computes again
 
 
-def fwd_name(program: str) -> str:
-    return f"{program}_fwd"
+KEPT = "_kept"  # the cut that keeps the forward's gathered weights (keep_gathered()): <p>_fwd_kept, <p>_bwd_kept
 
 
-def bwd_name(program: str) -> str:
-    return f"{program}_bwd"
+def fwd_name(program: str, kept: bool = False) -> str:
+    return f"{program}_fwd{KEPT if kept else ''}"
 
 
-def split(p: Program, g: Program) -> Split:
+def bwd_name(program: str, kept: bool = False) -> str:
+    return f"{program}_bwd{KEPT if kept else ''}"
+
+
+def split(p: Program, g: Program, keep_gathered: bool = False) -> Split:
+    """p's derived program G cut at the values p's forward saves for the backward (the module
+    docstring). keep_gathered: the weights' all-gathers are saved too (the schedule directive
+    keep_gathered(): memory for time), named <p>_fwd_kept, <p>_bwd_kept; by default the
+    backward gathers them again."""
     own = {s.name for s in p.stages}
     dep = set(cotangent_params(g, p))
     outs = {s for _, s in g.outputs}
@@ -63,7 +72,7 @@ def split(p: Program, g: Program) -> Split:
             return
         e = g.stage_named(name).expr
         if name in own and g.stage_named(name).type.ndim > 0 and not _layer_of_param(e, p) \
-                and not _weight_gather(e, p):
+                and (keep_gathered or not _weight_gather(e, p)):
             saved.append(name)
             return
         again.add(name)
@@ -75,12 +84,12 @@ def split(p: Program, g: Program) -> Split:
             for r in refs(st.expr):
                 need(r)
     order = [s.name for s in g.stages if s.name in saved]  # the program's order
-    fwd = replace(p, name=fwd_name(p.name),
+    fwd = replace(p, name=fwd_name(p.name, keep_gathered),
                   outputs=tuple(p.outputs) + tuple((f"saved_{v}", v) for v in order))
     kept = [st for st in g.stages if st.name not in saved and (st.name in dep or st.name in again)]
     n = len(p.params)
     params = (*g.params[:n], *(Param(v, g.stage_named(v).type) for v in order), *g.params[n:])
-    bwd = replace(g, name=bwd_name(p.name), params=params, stages=tuple(live(kept, g.outputs)))
+    bwd = replace(g, name=bwd_name(p.name, keep_gathered), params=params, stages=tuple(live(kept, g.outputs)))
     return Split(fwd, bwd, tuple(order), tuple(s.name for s in bwd.stages if s.name in again))
 
 
@@ -118,7 +127,9 @@ def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: s
     """The Pairing of PROGRAM (its derived program GRAD) in a file whose programs (the
     derived and cut ones included: sourcefile.with_grads) and schedules by program are given;
     DEFAULT: the unscheduled program's label."""
-    fwd, bwd = fwd_name(program), bwd_name(program)
+    sched = schedules.get(grad, {}).get(grad_schedule)
+    kept = sched is not None and keeps_gathered(sched.directives)
+    fwd, bwd = fwd_name(program, kept), bwd_name(program, kept)
     cut = (schedule == default or schedule in schedules.get(fwd, {})) and \
         (grad_schedule == default or grad_schedule in schedules.get(bwd, {}))
     p, g = programs[program], programs[grad]

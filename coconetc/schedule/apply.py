@@ -10,14 +10,15 @@ from coconetc.ir.nodes import Program
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
 from coconetc.schedule.fusion import fuse, overlap
 from coconetc.schedule.pipeline import Pipeline, check as pipeline
-from coconetc.schedule.prefetch import Prefetch, check as prefetch
+from coconetc.schedule.prefetch import KeepGathered, Prefetch, check as prefetch, check_keep
 from coconetc.schedule.primitives import reorder, slice_params, split
 from coconetc.ir.verify import verify_program
 
 _APPLY: dict[type, Callable[[Program, Any], Program]] = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse,
-                                                         OverlapD: overlap, Pipeline: pipeline, Prefetch: prefetch}
+                                                         OverlapD: overlap, Pipeline: pipeline, Prefetch: prefetch,
+                                                         KeepGathered: check_keep}
 _NAME = {Split: "split", Reorder: "reorder", Slice: "slice", Fuse: "fuse", OverlapD: "overlap", Pipeline: "pipeline",
-         Prefetch: "prefetch"}
+         Prefetch: "prefetch", KeepGathered: "keep_gathered"}
 
 
 def apply(p: Program, d: Directive) -> Program:

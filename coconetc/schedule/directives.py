@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.schedule.pipeline import Pipeline
-from coconetc.schedule.prefetch import Prefetch
+from coconetc.schedule.prefetch import KeepGathered, Prefetch
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class OverlapD:
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
-Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline | Prefetch
+Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline | Prefetch | KeepGathered
 
 
 def span_of(d: Directive, key: str) -> Span:
@@ -87,7 +87,7 @@ def _where(targets, call: syntax.Call) -> tuple[tuple[str, Span], ...]:
         spans.setdefault(k.name + "=", k.value.span)
     return tuple(spans.items())
 _ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0),
-          "pipeline": (0, 0), "prefetch": (0, 0)}
+          "pipeline": (0, 0), "prefetch": (0, 0), "keep_gathered": (0, 0)}
 _PIPELINE = {"stages", "microbatches", "order", "chunks", "layers", "max_activations"}
 
 
@@ -115,7 +115,8 @@ def _directive(stmt: syntax.Stmt) -> Directive:
     call = stmt.value
     if not isinstance(call, syntax.Call) or call.fn not in _ARITY:
         span = call.fn_span if isinstance(call, syntax.Call) else call.span
-        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap, pipeline, prefetch")
+        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap, pipeline, prefetch, "
+                         "keep_gathered")
     lo, hi = _ARITY[call.fn]
     if not lo <= len(targets) <= hi:
         want = f"{lo}" if lo == hi else f"{lo} to {hi}"
@@ -183,7 +184,16 @@ def _prefetch(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg],
     return Prefetch(_int(kws.get("depth"), call, 1), span, where)
 
 
-_KEYWORDS_ONLY: dict[str, Callable[..., Directive]] = {"pipeline": _pipeline, "prefetch": _prefetch}
+def _keep_gathered(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg], span: Span,
+                   where: tuple[tuple[str, Span], ...]) -> KeepGathered:
+    _only(call, kws, set())
+    if names:
+        raise _err(call.span, "keep_gathered() takes no names: it keeps every weight the forward gathers")
+    return KeepGathered(span, where)
+
+
+_KEYWORDS_ONLY: dict[str, Callable[..., Directive]] = {"pipeline": _pipeline, "prefetch": _prefetch,
+                                                       "keep_gathered": _keep_gathered}
 
 
 def _name(a: syntax.Expr, call: syntax.Call) -> str:
@@ -228,6 +238,8 @@ def text(d: Directive) -> str:
         return f"{name}fuse({', '.join(d.stages)})"
     if isinstance(d, Prefetch):
         return f"prefetch(depth={d.depth})"
+    if isinstance(d, KeepGathered):
+        return "keep_gathered()"
     if isinstance(d, Pipeline):
         args = [d.repeat] if d.repeat else []
         args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"']

@@ -52,6 +52,7 @@ class CudaRenderer:
         self.bgrad_sums = {u.epilogue.value for u in plan.units if isinstance(u, Library) and u.epilogue
                            and u.epilogue.kind == "bgrad" and "cuda" in u.fused}
         self.colsums = fused_sums(plan.units, "cuda")  # the sum_leads loops compute (plan/colsums.py)
+        self.started: dict[str, int] = {}  # the prefetched gathers in flight on the comm stream: their marks
 
     def render(self) -> Function:
         assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
@@ -80,7 +81,19 @@ class CudaRenderer:
         self.kernels.render_loop(u)
 
     def collective(self, u: Collective) -> None:
+        if u.prefetched:  # started by its StartGather on the comm stream: the call's stream waits for it
+            self.w.emit(f"coconet::cuda::wait_mark({self.started.pop(u.dst)}, ctx.stream);  // {u.dst} has arrived")
+            return
+        self._after_prefetches()
         collective(self.w, u)
+
+    def _after_prefetches(self) -> None:
+        """Before an NCCL call on the call's stream, while prefetched gathers are in flight on
+        the comm stream: the call's stream waits for them first, so that the NCCL calls of the
+        communicator run in the order every rank issues them, one stream after the other (two
+        NCCL kernels of one communicator on two streams may otherwise wait for each other)."""
+        for dst, mark in self.started.items():
+            self.w.emit(f"coconet::cuda::wait_mark({mark}, ctx.stream);  // the prefetched gather of {dst} first")
 
     def copy(self, u: Copy) -> None:
         n = _prod(self.w.ldims(self.w.types[u.src]))
@@ -96,6 +109,7 @@ class CudaRenderer:
                   f'rank of a group of " + std::to_string(comm.size));')
 
     def fused(self, u: Fused) -> None:
+        self._after_prefetches()
         self.fusion.render_fused(u)
 
     def overlap(self, u: Overlap) -> None:
@@ -105,8 +119,23 @@ class CudaRenderer:
         self.overlaps.render_gather_matmul(u)
 
     def start_gather(self, u: StartGather) -> None:
-        """A prefetched weight gather: on CUDA it runs at its wait, on the call's stream (plan/prefetch.py)."""
-        self.w.emit(f"// {u.gather.dst}: gathered at its place below (a prefetch starts it early on the CPU only)")
+        """A prefetched weight gather (plan/prefetch.py): NCCL on the comm stream once the call's
+        stream has queued what its source needs, marked there; the call's stream waits for the
+        mark at the gather's place (collective above), and computes meanwhile."""
+        start, mark = self.w.site(), self.w.site()
+        self.w.emit("{")
+        self.w.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {start});  // its source is ready")
+        self.w.emit("  coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream")
+        self.w.emit("  pctx.stream = ctx.comm_stream;")
+        self.w.emit("  auto gather = [&](const coconet::cuda::Ctx& ctx) {")
+        n = len(self.w.lines)
+        collective(self.w, u.gather)
+        self.w.lines[n:] = [f"    {line}" for line in self.w.lines[n:]]
+        self.w.emit("  };")
+        self.w.emit("  gather(pctx);")
+        self.w.emit(f"  coconet::cuda::mark(ctx.comm_stream, {mark});  // {u.gather.dst}: in flight until its wait")
+        self.w.emit("}")
+        self.started[u.gather.dst] = mark
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:

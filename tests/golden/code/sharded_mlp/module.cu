@@ -519,7 +519,16 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
   // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 19);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 20);  // y__l0__w1g: in flight until its wait
+  }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
   // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
@@ -527,11 +536,20 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 21);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 22);  // y__l0__w2g: in flight until its wait
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
   // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(20, ctx.stream);  // y__l0__w1g has arrived
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
@@ -539,7 +557,16 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 23);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 24);  // y__l1__w1g: in flight until its wait
+  }
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
   // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
@@ -573,7 +600,7 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
   // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(22, ctx.stream);  // y__l0__w2g has arrived
   trace_9.end();
   coconet::cuda::trace::Unit trace_10(10, stream);
   // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
@@ -581,7 +608,16 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
   // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 25);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 26);  // y__l1__w2g: in flight until its wait
+  }
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
   // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
@@ -589,7 +625,7 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
   // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(24, ctx.stream);  // y__l1__w1g has arrived
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
   // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
@@ -597,7 +633,16 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 27);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 28);  // y__l2__w1g: in flight until its wait
+  }
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
@@ -631,7 +676,7 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
   // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(26, ctx.stream);  // y__l1__w2g has arrived
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
   // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
@@ -639,7 +684,16 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
   // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 29);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 30);  // y__l2__w2g: in flight until its wait
+  }
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
   // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
@@ -647,7 +701,7 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
   // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(28, ctx.stream);  // y__l2__w1g has arrived
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
   // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
@@ -681,7 +735,7 @@ void sharded_model__prefetched(const coconet::cuda::CallArgs& a) {
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
   // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(30, ctx.stream);  // y__l2__w2g has arrived
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
   // [prefetched] matmul y (sharded_mlp.ccn:13)
@@ -2131,7 +2185,16 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
   // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 36);  // y__l0__w1g: in flight until its wait
+  }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
   // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
@@ -2139,11 +2202,20 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 37);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 38);  // y__l0__w2g: in flight until its wait
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
   // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(36, ctx.stream);  // y__l0__w1g has arrived
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
@@ -2151,7 +2223,16 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 39);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 40);  // y__l1__w1g: in flight until its wait
+  }
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
   // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
@@ -2185,7 +2266,7 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
   // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(38, ctx.stream);  // y__l0__w2g has arrived
   trace_9.end();
   coconet::cuda::trace::Unit trace_10(10, stream);
   // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
@@ -2193,7 +2274,16 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
   // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 41);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 42);  // y__l1__w2g: in flight until its wait
+  }
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
   // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
@@ -2201,7 +2291,7 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
   // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(40, ctx.stream);  // y__l1__w1g has arrived
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
   // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
@@ -2209,7 +2299,16 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 43);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 44);  // y__l2__w1g: in flight until its wait
+  }
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
@@ -2243,7 +2342,7 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
   // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(42, ctx.stream);  // y__l1__w2g has arrived
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
   // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
@@ -2251,7 +2350,16 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
   // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 45);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 46);  // y__l2__w2g: in flight until its wait
+  }
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
   // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
@@ -2259,7 +2367,7 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
   // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(44, ctx.stream);  // y__l2__w1g has arrived
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
   // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
@@ -2293,7 +2401,7 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
   // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(46, ctx.stream);  // y__l2__w2g has arrived
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
   // [prefetched] matmul_nt g_y__l2__a (sharded_mlp.ccn)
@@ -2451,6 +2559,407 @@ void sharded_model_grad__prefetched(const coconet::cuda::CallArgs& a) {
   // [prefetched] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
   trace_46.end();
+}
+
+// program sharded_model_grad, schedule kept (sharded_mlp.ccn)
+void sharded_model_grad__kept(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_d_y = a.tensor<float>(3);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = coconet::cuda::scratch<float>(3, S_H * S_F);
+  COCONET_BUFFER(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g");
+  float* const v_y__l0__h = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h");
+  float* const v_y__l0__a = coconet::cuda::scratch<float>(5, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a");
+  float* const v_y__l0__w2g = coconet::cuda::scratch<float>(6, S_F * S_H);
+  COCONET_BUFFER(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g");
+  float* const v_y__l0__y = coconet::cuda::scratch<float>(7, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y");
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(8, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(9, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g");
+  float* const v_y__l1__h = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h");
+  float* const v_y__l1__a = coconet::cuda::scratch<float>(12, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a");
+  float* const v_y__l1__w2g = coconet::cuda::scratch<float>(13, S_F * S_H);
+  COCONET_BUFFER(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g");
+  float* const v_y__l1__y = coconet::cuda::scratch<float>(14, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y");
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(15, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(16, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = coconet::cuda::scratch<float>(17, S_H * S_F);
+  COCONET_BUFFER(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g");
+  float* const v_y__l2__h = coconet::cuda::scratch<float>(18, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h");
+  float* const v_y__l2__a = coconet::cuda::scratch<float>(19, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a");
+  float* const v_y__l2__w2g = coconet::cuda::scratch<float>(20, S_F * S_H);
+  COCONET_BUFFER(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g");
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(21, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(22, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(23, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(24, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(25, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(26, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(27, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(28, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(29, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(30, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(31, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(32, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(33, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(34, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [kept] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [kept] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [kept] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [kept] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [kept] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [kept] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [kept] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [kept] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [kept] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [kept] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [kept] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [kept] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [kept] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [kept] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [kept] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [kept] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [kept] allgather y__l2__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [kept] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [kept] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [kept] allgather y__l2__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [kept] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [kept] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [kept] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [kept] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [kept] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [kept] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [kept] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
+  // [kept] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_27.end();
+  coconet::cuda::trace::Unit trace_28(28, stream);
+  // [kept] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
+  // [kept] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
+  // [kept] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
+  // [kept] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
+  // [kept] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
+  // [kept] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_33.end();
+  coconet::cuda::trace::Unit trace_34(34, stream);
+  // [kept] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
+  // [kept] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_35.end();
+  coconet::cuda::trace::Unit trace_36(36, stream);
+  // [kept] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_36.end();
+  coconet::cuda::trace::Unit trace_37(37, stream);
+  // [kept] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_37.end();
+  coconet::cuda::trace::Unit trace_38(38, stream);
+  // [kept] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_38.end();
+  coconet::cuda::trace::Unit trace_39(39, stream);
+  // [kept] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_39.end();
+  coconet::cuda::trace::Unit trace_40(40, stream);
+  // [kept] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_40.end();
 }
 
 // program sharded_mlp_fwd, schedule default (sharded_mlp.ccn)
@@ -2988,7 +3497,16 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
   // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 11);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 12);  // y__l0__w1g: in flight until its wait
+  }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
   // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
@@ -2996,11 +3514,20 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 13);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 14);  // y__l0__w2g: in flight until its wait
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
   // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(12, ctx.stream);  // y__l0__w1g has arrived
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
@@ -3008,7 +3535,16 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 15);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 16);  // y__l1__w1g: in flight until its wait
+  }
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
   // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
@@ -3042,7 +3578,7 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
   // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(14, ctx.stream);  // y__l0__w2g has arrived
   trace_9.end();
   coconet::cuda::trace::Unit trace_10(10, stream);
   // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
@@ -3050,7 +3586,16 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
   // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 17);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 18);  // y__l1__w2g: in flight until its wait
+  }
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
   // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
@@ -3058,7 +3603,7 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
   // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(16, ctx.stream);  // y__l1__w1g has arrived
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
   // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
@@ -3066,7 +3611,16 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 19);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 20);  // y__l2__w1g: in flight until its wait
+  }
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
@@ -3100,7 +3654,7 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
   // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(18, ctx.stream);  // y__l1__w2g has arrived
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
   // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
@@ -3108,7 +3662,16 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
   // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 21);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 22);  // y__l2__w2g: in flight until its wait
+  }
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
   // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
@@ -3116,7 +3679,7 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
   // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(20, ctx.stream);  // y__l2__w1g has arrived
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
   // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
@@ -3150,7 +3713,7 @@ void sharded_model_fwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
   // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(22, ctx.stream);  // y__l2__w2g has arrived
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
   // [prefetched] matmul y (sharded_mlp.ccn:13)
@@ -3558,7 +4121,16 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
   // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l2__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 25);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 26);  // y__l2__w2g: in flight until its wait
+  }
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
   // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
@@ -3566,7 +4138,16 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l2__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 27);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 28);  // y__l2__w1g: in flight until its wait
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
   // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
@@ -3586,11 +4167,20 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_7.end();
   coconet::cuda::trace::Unit trace_8(8, stream);
   // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(26, ctx.stream);  // y__l2__w2g has arrived
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
   // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l1__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 29);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 30);  // y__l1__w2g: in flight until its wait
+  }
   trace_9.end();
   coconet::cuda::trace::Unit trace_10(10, stream);
   // [prefetched] matmul_nt g_y__l2__a (sharded_mlp.ccn)
@@ -3630,11 +4220,20 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
   // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(28, ctx.stream);  // y__l2__w1g has arrived
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
   // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l1__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 31);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 32);  // y__l1__w1g: in flight until its wait
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [prefetched] matmul_nt g_y__l1__y (sharded_mlp.ccn)
@@ -3646,19 +4245,32 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
   // [prefetched] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::wait_mark(30, ctx.stream);  // the prefetched gather of y__l1__w2g first
+  coconet::cuda::wait_mark(32, ctx.stream);  // the prefetched gather of y__l1__w1g first
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
   // [prefetched] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::wait_mark(30, ctx.stream);  // the prefetched gather of y__l1__w2g first
+  coconet::cuda::wait_mark(32, ctx.stream);  // the prefetched gather of y__l1__w1g first
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
   // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(30, ctx.stream);  // y__l1__w2g has arrived
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
   // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
-  // y__l0__w2g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 33);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 34);  // y__l0__w2g: in flight until its wait
+  }
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
   // [prefetched] matmul_nt g_y__l1__a (sharded_mlp.ccn)
@@ -3698,11 +4310,20 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_23.end();
   coconet::cuda::trace::Unit trace_24(24, stream);
   // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(32, ctx.stream);  // y__l1__w1g has arrived
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
   // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
-  // y__l0__w1g: gathered at its place below (a prefetch starts it early on the CPU only)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 36);  // y__l0__w1g: in flight until its wait
+  }
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
   // [prefetched] matmul_nt g_y__l0__y (sharded_mlp.ccn)
@@ -3714,15 +4335,19 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
   // [prefetched] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::wait_mark(34, ctx.stream);  // the prefetched gather of y__l0__w2g first
+  coconet::cuda::wait_mark(36, ctx.stream);  // the prefetched gather of y__l0__w1g first
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
   // [prefetched] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::wait_mark(34, ctx.stream);  // the prefetched gather of y__l0__w2g first
+  coconet::cuda::wait_mark(36, ctx.stream);  // the prefetched gather of y__l0__w1g first
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
   trace_29.end();
   coconet::cuda::trace::Unit trace_30(30, stream);
   // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
-  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  coconet::cuda::wait_mark(34, ctx.stream);  // y__l0__w2g has arrived
   trace_30.end();
   coconet::cuda::trace::Unit trace_31(31, stream);
   // [prefetched] matmul_nt g_y__l0__a (sharded_mlp.ccn)
@@ -3762,7 +4387,7 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
   // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
-  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  coconet::cuda::wait_mark(36, ctx.stream);  // y__l0__w1g has arrived
   trace_34.end();
   coconet::cuda::trace::Unit trace_35(35, stream);
   // [prefetched] matmul_nt d_x (sharded_mlp.ccn)
@@ -3782,6 +4407,988 @@ void sharded_model_bwd__prefetched(const coconet::cuda::CallArgs& a) {
   trace_38.end();
 }
 
+// program sharded_model_fwd_kept, schedule default (sharded_mlp.ccn)
+void sharded_model_fwd_kept__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = a.output<float>(1);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.output<float>(2);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.output<float>(3);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.output<float>(4);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.output<float>(5);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = a.output<float>(6);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.output<float>(7);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.output<float>(8);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.output<float>(9);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.output<float>(10);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = a.output<float>(11);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.output<float>(12);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.output<float>(13);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.output<float>(14);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] allgather y__l0__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] allgather y__l0__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] allgather y__l1__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] allgather y__l1__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] allgather y__l2__w1g (NCCL) (sharded_mlp.ccn:9)
+  coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] allgather y__l2__w2g (NCCL) (sharded_mlp.ccn:12)
+  coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [default] matmul y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l2__a, v_y__l2__w2g, v_y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_20.end();
+}
+
+// program sharded_model_fwd_kept, schedule prefetched (sharded_mlp.ccn)
+void sharded_model_fwd_kept__prefetched(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1 = coconet::cuda::scratch<float>(1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l0__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__w1), "y__l0__w1");
+  float* const v_y__l0__w2 = coconet::cuda::scratch<float>(2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l0__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__w2), "y__l0__w2");
+  float* const v_y__l0__w1g = a.output<float>(1);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.output<float>(2);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.output<float>(3);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.output<float>(4);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.output<float>(5);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1 = coconet::cuda::scratch<float>(3, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l1__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__w1), "y__l1__w1");
+  float* const v_y__l1__w2 = coconet::cuda::scratch<float>(4, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l1__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__w2), "y__l1__w2");
+  float* const v_y__l1__w1g = a.output<float>(6);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.output<float>(7);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.output<float>(8);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.output<float>(9);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.output<float>(10);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1 = coconet::cuda::scratch<float>(5, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_y__l2__w1, size_t(coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__w1), "y__l2__w1");
+  float* const v_y__l2__w2 = coconet::cuda::scratch<float>(6, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_y__l2__w2, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l2__w2), "y__l2__w2");
+  float* const v_y__l2__w1g = a.output<float>(11);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.output<float>(12);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.output<float>(13);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.output<float>(14);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [prefetched] index y__l0__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l0__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 0, ctx);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [prefetched] start allgather y__l0__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 7);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w1, v_y__l0__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 8);  // y__l0__w1g: in flight until its wait
+  }
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [prefetched] index y__l0__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l0__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 0, ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [prefetched] start allgather y__l0__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 9);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l0__w2, v_y__l0__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 10);  // y__l0__w2g: in flight until its wait
+  }
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [prefetched] allgather y__l0__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::wait_mark(8, ctx.stream);  // y__l0__w1g has arrived
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [prefetched] index y__l1__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l1__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 1, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [prefetched] start allgather y__l1__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 11);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w1, v_y__l1__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 12);  // y__l1__w1g: in flight until its wait
+  }
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [prefetched] matmul y__l0__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_x, v_y__l0__w1g, v_y__l0__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [prefetched] kernel: y__l0__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l0__h, v_y__l0__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l0__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l0__h[u])));
+          out_y__l0__a[u] = coconet::from_compute<float>(x_y__l0__a);
+        }
+        coconet::cuda::store<4>(v_y__l0__a + i0, out_y__l0__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l0__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l0__h[i])));
+        v_y__l0__a[i] = coconet::from_compute<float>(x_y__l0__a);
+      }
+    });
+  }
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [prefetched] allgather y__l0__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::wait_mark(10, ctx.stream);  // y__l0__w2g has arrived
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [prefetched] index y__l1__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l1__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 1, ctx);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [prefetched] start allgather y__l1__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 13);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l1__w2, v_y__l1__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 14);  // y__l1__w2g: in flight until its wait
+  }
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [prefetched] matmul y__l0__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l0__a, v_y__l0__w2g, v_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [prefetched] allgather y__l1__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::wait_mark(12, ctx.stream);  // y__l1__w1g has arrived
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [prefetched] index y__l2__w1 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w1, v_y__l2__w1, coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F, 2, ctx);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [prefetched] start allgather y__l2__w1g (NCCL) (prefetch) (sharded_mlp.ccn:9)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 15);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w1, v_y__l2__w1g, int64_t(1), S_H, S_F, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 16);  // y__l2__w1g: in flight until its wait
+  }
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [prefetched] matmul y__l1__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l0__y, v_y__l1__w1g, v_y__l1__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [prefetched] kernel: y__l1__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l1__h, v_y__l1__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l1__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l1__h[u])));
+          out_y__l1__a[u] = coconet::from_compute<float>(x_y__l1__a);
+        }
+        coconet::cuda::store<4>(v_y__l1__a + i0, out_y__l1__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l1__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l1__h[i])));
+        v_y__l1__a[i] = coconet::from_compute<float>(x_y__l1__a);
+      }
+    });
+  }
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [prefetched] allgather y__l1__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::wait_mark(14, ctx.stream);  // y__l1__w2g has arrived
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [prefetched] index y__l2__w2 (sharded_mlp.ccn:40)
+  coconet::cuda::index<float>(v_w2, v_y__l2__w2, coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H, 2, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [prefetched] start allgather y__l2__w2g (NCCL) (prefetch) (sharded_mlp.ccn:12)
+  {
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 17);  // its source is ready
+    coconet::cuda::Ctx pctx = ctx;  // the gather on the comm stream
+    pctx.stream = ctx.comm_stream;
+    auto gather = [&](const coconet::cuda::Ctx& ctx) {
+      coconet::cuda::allgather<float>(v_y__l2__w2, v_y__l2__w2g, int64_t(1), S_F, S_H, ctx);
+    };
+    gather(pctx);
+    coconet::cuda::mark(ctx.comm_stream, 18);  // y__l2__w2g: in flight until its wait
+  }
+  trace_20.end();
+  coconet::cuda::trace::Unit trace_21(21, stream);
+  // [prefetched] matmul y__l1__y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l1__a, v_y__l1__w2g, v_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_21.end();
+  coconet::cuda::trace::Unit trace_22(22, stream);
+  // [prefetched] allgather y__l2__w1g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:9)
+  coconet::cuda::wait_mark(16, ctx.stream);  // y__l2__w1g has arrived
+  trace_22.end();
+  coconet::cuda::trace::Unit trace_23(23, stream);
+  // [prefetched] matmul y__l2__h (sharded_mlp.ccn:10)
+  coconet::cuda::matmul<float>(v_y__l1__y, v_y__l2__w1g, v_y__l2__h, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_23.end();
+  coconet::cuda::trace::Unit trace_24(24, stream);
+  // [prefetched] kernel: y__l2__a (sharded_mlp.ccn:11)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_y__l2__h, v_y__l2__a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        coconet::cuda::Vec<float, 4> out_y__l2__a;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y__l2__h[u])));
+          out_y__l2__a[u] = coconet::from_compute<float>(x_y__l2__a);
+        }
+        coconet::cuda::store<4>(v_y__l2__a + i0, out_y__l2__a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_y__l2__a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_y__l2__h[i])));
+        v_y__l2__a[i] = coconet::from_compute<float>(x_y__l2__a);
+      }
+    });
+  }
+  trace_24.end();
+  coconet::cuda::trace::Unit trace_25(25, stream);
+  // [prefetched] allgather y__l2__w2g (NCCL) (prefetched: its wait) (sharded_mlp.ccn:12)
+  coconet::cuda::wait_mark(18, ctx.stream);  // y__l2__w2g has arrived
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
+  // [prefetched] matmul y (sharded_mlp.ccn:13)
+  coconet::cuda::matmul<float>(v_y__l2__a, v_y__l2__w2g, v_y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_26.end();
+}
+
+// program sharded_model_bwd_kept, schedule default (sharded_mlp.ccn)
+void sharded_model_bwd_kept__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1g = a.tensor<float>(3);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.tensor<float>(4);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.tensor<float>(5);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.tensor<float>(6);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.tensor<float>(7);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1g = a.tensor<float>(8);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.tensor<float>(9);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.tensor<float>(10);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.tensor<float>(11);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.tensor<float>(12);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1g = a.tensor<float>(13);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.tensor<float>(14);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.tensor<float>(15);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.tensor<float>(16);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_d_y = a.tensor<float>(17);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(1, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(2, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(5, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(6, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(7, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(8, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(9, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(12, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(13, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(14, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [default] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [default] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [default] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [default] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [default] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [default] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [default] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [default] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [default] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [default] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [default] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [default] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_20.end();
+}
+
+// program sharded_model_bwd_kept, schedule kept (sharded_mlp.ccn)
+void sharded_model_bwd_kept__kept(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_w1 = a.tensor<float>(1);
+  COCONET_PARAM(v_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_w1), "w1", stream);
+  float* const v_w2 = a.tensor<float>(2);
+  COCONET_PARAM(v_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w2), "w2", stream);
+  float* const v_y__l0__w1g = a.tensor<float>(3);
+  COCONET_PARAM(v_y__l0__w1g, size_t(S_H * S_F) * sizeof(*v_y__l0__w1g), "y__l0__w1g", stream);
+  float* const v_y__l0__h = a.tensor<float>(4);
+  COCONET_PARAM(v_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__h), "y__l0__h", stream);
+  float* const v_y__l0__a = a.tensor<float>(5);
+  COCONET_PARAM(v_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l0__a), "y__l0__a", stream);
+  float* const v_y__l0__w2g = a.tensor<float>(6);
+  COCONET_PARAM(v_y__l0__w2g, size_t(S_F * S_H) * sizeof(*v_y__l0__w2g), "y__l0__w2g", stream);
+  float* const v_y__l0__y = a.tensor<float>(7);
+  COCONET_PARAM(v_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l0__y), "y__l0__y", stream);
+  float* const v_y__l1__w1g = a.tensor<float>(8);
+  COCONET_PARAM(v_y__l1__w1g, size_t(S_H * S_F) * sizeof(*v_y__l1__w1g), "y__l1__w1g", stream);
+  float* const v_y__l1__h = a.tensor<float>(9);
+  COCONET_PARAM(v_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__h), "y__l1__h", stream);
+  float* const v_y__l1__a = a.tensor<float>(10);
+  COCONET_PARAM(v_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l1__a), "y__l1__a", stream);
+  float* const v_y__l1__w2g = a.tensor<float>(11);
+  COCONET_PARAM(v_y__l1__w2g, size_t(S_F * S_H) * sizeof(*v_y__l1__w2g), "y__l1__w2g", stream);
+  float* const v_y__l1__y = a.tensor<float>(12);
+  COCONET_PARAM(v_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_y__l1__y), "y__l1__y", stream);
+  float* const v_y__l2__w1g = a.tensor<float>(13);
+  COCONET_PARAM(v_y__l2__w1g, size_t(S_H * S_F) * sizeof(*v_y__l2__w1g), "y__l2__w1g", stream);
+  float* const v_y__l2__h = a.tensor<float>(14);
+  COCONET_PARAM(v_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__h), "y__l2__h", stream);
+  float* const v_y__l2__a = a.tensor<float>(15);
+  COCONET_PARAM(v_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_y__l2__a), "y__l2__a", stream);
+  float* const v_y__l2__w2g = a.tensor<float>(16);
+  COCONET_PARAM(v_y__l2__w2g, size_t(S_F * S_H) * sizeof(*v_y__l2__w2g), "y__l2__w2g", stream);
+  float* const v_d_y = a.tensor<float>(17);
+  COCONET_PARAM(v_d_y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_g_y__l2__a = coconet::cuda::scratch<float>(1, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__a), "g_y__l2__a");
+  float* const v_g_y__l2__w2g_part = coconet::cuda::scratch<float>(2, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l2__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l2__w2g_part), "g_y__l2__w2g_part");
+  float* const v_g_y__l2__h = coconet::cuda::scratch<float>(3, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l2__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l2__h), "g_y__l2__h");
+  float* const v_g_y__l1__y = coconet::cuda::scratch<float>(4, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l1__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l1__y), "g_y__l1__y");
+  float* const v_g_y__l2__w1g_part = coconet::cuda::scratch<float>(5, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l2__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l2__w1g_part), "g_y__l2__w1g_part");
+  float* const v_g_y__l1__a = coconet::cuda::scratch<float>(6, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__a), "g_y__l1__a");
+  float* const v_g_y__l1__w2g_part = coconet::cuda::scratch<float>(7, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l1__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l1__w2g_part), "g_y__l1__w2g_part");
+  float* const v_g_y__l1__h = coconet::cuda::scratch<float>(8, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l1__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l1__h), "g_y__l1__h");
+  float* const v_g_y__l0__y = coconet::cuda::scratch<float>(9, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y__l0__y, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y__l0__y), "g_y__l0__y");
+  float* const v_g_y__l1__w1g_part = coconet::cuda::scratch<float>(10, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l1__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l1__w1g_part), "g_y__l1__w1g_part");
+  float* const v_g_y__l0__a = coconet::cuda::scratch<float>(11, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__a, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__a), "g_y__l0__a");
+  float* const v_g_y__l0__w2g_part = coconet::cuda::scratch<float>(12, S_F * S_H);
+  COCONET_BUFFER(v_g_y__l0__w2g_part, size_t(S_F * S_H) * sizeof(*v_g_y__l0__w2g_part), "g_y__l0__w2g_part");
+  float* const v_g_y__l0__h = coconet::cuda::scratch<float>(13, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F);
+  COCONET_BUFFER(v_g_y__l0__h, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F) * sizeof(*v_g_y__l0__h), "g_y__l0__h");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_y__l0__w1g_part = coconet::cuda::scratch<float>(14, S_H * S_F);
+  COCONET_BUFFER(v_g_y__l0__w1g_part, size_t(S_H * S_F) * sizeof(*v_g_y__l0__w1g_part), "g_y__l0__w1g_part");
+  float* const v_d_w2 = a.output<float>(2);
+  COCONET_PARAM(v_d_w2, size_t(int64_t(3) * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w2), "d_w2", stream);
+  float* const v_g_y__l2__w2 = v_d_w2 + 2 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 2 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w2 = v_d_w2 + 1 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 1 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w2 = v_d_w2 + 0 * coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H;  // row 0 of d_w2 (a layer's gradient made in its row): its memory, no copy
+  float* const v_d_w1 = a.output<float>(1);
+  COCONET_PARAM(v_d_w1, size_t(int64_t(3) * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F) * sizeof(*v_d_w1), "d_w1", stream);
+  float* const v_g_y__l2__w1 = v_d_w1 + 2 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 2 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l1__w1 = v_d_w1 + 1 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 1 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  float* const v_g_y__l0__w1 = v_d_w1 + 0 * coconet::slice_range(S_H, comm.size, comm.rank).size() * S_F;  // row 0 of d_w1 (a layer's gradient made in its row): its memory, no copy
+  coconet::cuda::trace::Unit trace_0(0, stream);
+  // [kept] matmul_nt g_y__l2__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_d_y, v_y__l2__w2g, v_g_y__l2__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_0.end();
+  coconet::cuda::trace::Unit trace_1(1, stream);
+  // [kept] matmul_tn g_y__l2__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l2__a, v_d_y, v_g_y__l2__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_1.end();
+  coconet::cuda::trace::Unit trace_2(2, stream);
+  // [kept] kernel: g_y__l2__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l2__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l2__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l2__a, v_y__l2__h, v_y__l2__a, v_g_y__l2__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l2__a = coconet::cuda::load<4>(v_g_y__l2__a + i0);
+        const auto in_y__l2__h = coconet::cuda::load<4>(v_y__l2__h + i0);
+        const auto in_y__l2__a = coconet::cuda::load<4>(v_y__l2__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l2__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l2__a[u]) * (((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l2__a[u]) / ((coconet::to_compute(in_y__l2__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l2__h[u]))))) + coconet::to_compute(in_y__l2__h[u]) * (std::exp(coconet::to_compute(in_y__l2__h[u]) * coconet::to_compute(in_y__l2__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l2__h[u] = coconet::from_compute<float>(x_g_y__l2__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l2__h + i0, out_g_y__l2__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l2__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l2__a[i]) * (((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l2__a[i]) / ((coconet::to_compute(v_y__l2__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l2__h[i]))))) + coconet::to_compute(v_y__l2__h[i]) * (std::exp(coconet::to_compute(v_y__l2__h[i]) * coconet::to_compute(v_y__l2__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l2__h[i] = coconet::from_compute<float>(x_g_y__l2__h);
+      }
+    });
+  }
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [kept] matmul_nt g_y__l1__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l2__h, v_y__l2__w1g, v_g_y__l1__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [kept] matmul_tn g_y__l2__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__y, v_g_y__l2__h, v_g_y__l2__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_4.end();
+  coconet::cuda::trace::Unit trace_5(5, stream);
+  // [kept] reducescatter g_y__l2__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w2g_part, v_g_y__l2__w2, int64_t(1), S_F, S_H, ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
+  // [kept] reducescatter g_y__l2__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l2__w1g_part, v_g_y__l2__w1, int64_t(1), S_H, S_F, ctx);
+  trace_6.end();
+  coconet::cuda::trace::Unit trace_7(7, stream);
+  // [kept] matmul_nt g_y__l1__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__y, v_y__l1__w2g, v_g_y__l1__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
+  // [kept] matmul_tn g_y__l1__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l1__a, v_g_y__l1__y, v_g_y__l1__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_8.end();
+  coconet::cuda::trace::Unit trace_9(9, stream);
+  // [kept] kernel: g_y__l1__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l1__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l1__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l1__a, v_y__l1__h, v_y__l1__a, v_g_y__l1__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l1__a = coconet::cuda::load<4>(v_g_y__l1__a + i0);
+        const auto in_y__l1__h = coconet::cuda::load<4>(v_y__l1__h + i0);
+        const auto in_y__l1__a = coconet::cuda::load<4>(v_y__l1__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l1__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l1__a[u]) * (((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l1__a[u]) / ((coconet::to_compute(in_y__l1__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l1__h[u]))))) + coconet::to_compute(in_y__l1__h[u]) * (std::exp(coconet::to_compute(in_y__l1__h[u]) * coconet::to_compute(in_y__l1__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l1__h[u] = coconet::from_compute<float>(x_g_y__l1__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l1__h + i0, out_g_y__l1__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l1__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l1__a[i]) * (((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l1__a[i]) / ((coconet::to_compute(v_y__l1__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l1__h[i]))))) + coconet::to_compute(v_y__l1__h[i]) * (std::exp(coconet::to_compute(v_y__l1__h[i]) * coconet::to_compute(v_y__l1__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l1__h[i] = coconet::from_compute<float>(x_g_y__l1__h);
+      }
+    });
+  }
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
+  // [kept] matmul_nt g_y__l0__y (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l1__h, v_y__l1__w1g, v_g_y__l0__y, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
+  // [kept] matmul_tn g_y__l1__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__y, v_g_y__l1__h, v_g_y__l1__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
+  // [kept] reducescatter g_y__l1__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w2g_part, v_g_y__l1__w2, int64_t(1), S_F, S_H, ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [kept] reducescatter g_y__l1__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l1__w1g_part, v_g_y__l1__w1, int64_t(1), S_H, S_F, ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [kept] matmul_nt g_y__l0__a (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__y, v_y__l0__w2g, v_g_y__l0__a, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_14.end();
+  coconet::cuda::trace::Unit trace_15(15, stream);
+  // [kept] matmul_tn g_y__l0__w2g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_y__l0__a, v_g_y__l0__y, v_g_y__l0__w2g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_15.end();
+  coconet::cuda::trace::Unit trace_16(16, stream);
+  // [kept] kernel: g_y__l0__h (sharded_mlp.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_R(v_y__l0__a, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F), COCONET_W(v_g_y__l0__h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F));
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_F, coconet::cuda::aligned<4>(v_g_y__l0__a, v_y__l0__h, v_y__l0__a, v_g_y__l0__h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_y__l0__a = coconet::cuda::load<4>(v_g_y__l0__a + i0);
+        const auto in_y__l0__h = coconet::cuda::load<4>(v_y__l0__h + i0);
+        const auto in_y__l0__a = coconet::cuda::load<4>(v_y__l0__a + i0);
+        coconet::cuda::Vec<float, 4> out_g_y__l0__h;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(in_g_y__l0__a[u]) * (((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_y__l0__a[u]) / ((coconet::to_compute(in_y__l0__h[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_y__l0__h[u]))))) + coconet::to_compute(in_y__l0__h[u]) * (std::exp(coconet::to_compute(in_y__l0__h[u]) * coconet::to_compute(in_y__l0__h[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_y__l0__h[u] = coconet::from_compute<float>(x_g_y__l0__h);
+        }
+        coconet::cuda::store<4>(v_g_y__l0__h + i0, out_g_y__l0__h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_y__l0__h = coconet::round_to<float>(coconet::to_compute(v_g_y__l0__a[i]) * (((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_y__l0__a[i]) / ((coconet::to_compute(v_y__l0__h[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_y__l0__h[i]))))) + coconet::to_compute(v_y__l0__h[i]) * (std::exp(coconet::to_compute(v_y__l0__h[i]) * coconet::to_compute(v_y__l0__h[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_y__l0__h[i] = coconet::from_compute<float>(x_g_y__l0__h);
+      }
+    });
+  }
+  trace_16.end();
+  coconet::cuda::trace::Unit trace_17(17, stream);
+  // [kept] matmul_nt d_x (sharded_mlp.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y__l0__h, v_y__l0__w1g, v_d_x, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_F, S_H, stream);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
+  // [kept] matmul_tn g_y__l0__w1g_part (sharded_mlp.ccn)
+  coconet::cuda::matmul_tn<float>(v_x, v_g_y__l0__h, v_g_y__l0__w1g_part, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, S_F, stream);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
+  // [kept] reducescatter g_y__l0__w2 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w2g_part, v_g_y__l0__w2, int64_t(1), S_F, S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
+  // [kept] reducescatter g_y__l0__w1 (NCCL) (sharded_mlp.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_y__l0__w1g_part, v_g_y__l0__w1, int64_t(1), S_H, S_F, ctx);
+  trace_20.end();
+}
+
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::cuda::CallArgs>* coconet_module_entries() {
@@ -3797,6 +5404,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_mlp_grad__overlapped", &coconet_gen::sharded_mlp_grad__overlapped},
       {"sharded_model_grad__default", &coconet_gen::sharded_model_grad__default},
       {"sharded_model_grad__prefetched", &coconet_gen::sharded_model_grad__prefetched},
+      {"sharded_model_grad__kept", &coconet_gen::sharded_model_grad__kept},
       {"sharded_mlp_fwd__default", &coconet_gen::sharded_mlp_fwd__default},
       {"sharded_mlp_fwd__overlapped", &coconet_gen::sharded_mlp_fwd__overlapped},
       {"sharded_mlp_bwd__default", &coconet_gen::sharded_mlp_bwd__default},
@@ -3804,8 +5412,12 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_model_fwd__prefetched", &coconet_gen::sharded_model_fwd__prefetched},
       {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
       {"sharded_model_bwd__prefetched", &coconet_gen::sharded_model_bwd__prefetched},
+      {"sharded_model_fwd_kept__default", &coconet_gen::sharded_model_fwd_kept__default},
+      {"sharded_model_fwd_kept__prefetched", &coconet_gen::sharded_model_fwd_kept__prefetched},
+      {"sharded_model_bwd_kept__default", &coconet_gen::sharded_model_bwd_kept__default},
+      {"sharded_model_bwd_kept__kept", &coconet_gen::sharded_model_bwd_kept__kept},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 18};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"sharded_mlp.ccn", table, 23};
   return &entries;
 }
 

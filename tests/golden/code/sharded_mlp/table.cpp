@@ -19,6 +19,7 @@ void sharded_mlp_grad__default(const coconet::CallArgs& a);
 void sharded_mlp_grad__overlapped(const coconet::CallArgs& a);
 void sharded_model_grad__default(const coconet::CallArgs& a);
 void sharded_model_grad__prefetched(const coconet::CallArgs& a);
+void sharded_model_grad__kept(const coconet::CallArgs& a);
 void sharded_mlp_fwd__default(const coconet::CallArgs& a);
 void sharded_mlp_fwd__overlapped(const coconet::CallArgs& a);
 void sharded_mlp_bwd__default(const coconet::CallArgs& a);
@@ -26,6 +27,10 @@ void sharded_model_fwd__default(const coconet::CallArgs& a);
 void sharded_model_fwd__prefetched(const coconet::CallArgs& a);
 void sharded_model_bwd__default(const coconet::CallArgs& a);
 void sharded_model_bwd__prefetched(const coconet::CallArgs& a);
+void sharded_model_fwd_kept__default(const coconet::CallArgs& a);
+void sharded_model_fwd_kept__prefetched(const coconet::CallArgs& a);
+void sharded_model_bwd_kept__default(const coconet::CallArgs& a);
+void sharded_model_bwd_kept__kept(const coconet::CallArgs& a);
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::CallArgs>* coconet_module_entries() {
@@ -41,6 +46,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_mlp_grad__overlapped", &coconet_gen::sharded_mlp_grad__overlapped},
       {"sharded_model_grad__default", &coconet_gen::sharded_model_grad__default},
       {"sharded_model_grad__prefetched", &coconet_gen::sharded_model_grad__prefetched},
+      {"sharded_model_grad__kept", &coconet_gen::sharded_model_grad__kept},
       {"sharded_mlp_fwd__default", &coconet_gen::sharded_mlp_fwd__default},
       {"sharded_mlp_fwd__overlapped", &coconet_gen::sharded_mlp_fwd__overlapped},
       {"sharded_mlp_bwd__default", &coconet_gen::sharded_mlp_bwd__default},
@@ -48,8 +54,12 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"sharded_model_fwd__prefetched", &coconet_gen::sharded_model_fwd__prefetched},
       {"sharded_model_bwd__default", &coconet_gen::sharded_model_bwd__default},
       {"sharded_model_bwd__prefetched", &coconet_gen::sharded_model_bwd__prefetched},
+      {"sharded_model_fwd_kept__default", &coconet_gen::sharded_model_fwd_kept__default},
+      {"sharded_model_fwd_kept__prefetched", &coconet_gen::sharded_model_fwd_kept__prefetched},
+      {"sharded_model_bwd_kept__default", &coconet_gen::sharded_model_bwd_kept__default},
+      {"sharded_model_bwd_kept__kept", &coconet_gen::sharded_model_bwd_kept__kept},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 18};
+  static const coconet::Entries<coconet::CallArgs> entries{"sharded_mlp.ccn", table, 23};
   return &entries;
 }
 
