@@ -183,13 +183,7 @@ def test_a_program_without_weight_gathers_cannot_prefetch():
     ("grad(q)", "keep_gathered(depth=1)", "depth=1", "keep_gathered() has no argument 'depth'"),
 ])
 def test_bad_keep_gathered_are_located_errors(target, directive, where, message):
-    src = PREFETCH_BAD + f"schedule s for {target} {{\n    {directive}\n}}\n"
-    with pytest.raises(CompileError) as err:
-        load_source(src, "t.ccn")
-    d = err.value.diagnostics[0]
-    assert message in d.message, d.message
-    line = src.splitlines()[d.span.line - 1]
-    assert line[d.span.col - 1:].startswith(where), (line, d.span)
+    _refused_at(PREFETCH_BAD, directive, where, message, target)
 
 
 BAD = """
@@ -328,23 +322,7 @@ def test_keep_gathered_pairs_the_cut_that_keeps_the_gathered_weights():
     fwd, bwd, grad = (mod.programs[n] for n in ("sharded_model_fwd_kept", "sharded_model_bwd_kept", "sharded_model_grad"))
     assert not [st for st in bwd.stages if getattr(st.expr, "op", "") == "allgather"]
     assert "kept" in mod.schedules["sharded_model_bwd_kept"] and "kept" not in mod.schedules["sharded_model_bwd"]
-    ranks, (B, H, F) = 2, (5, 3, 4)
-    rng = np.random.default_rng(5)
-    whole = {"x": rng.standard_normal((B, H)), "w1": rng.standard_normal((3, H, F)) * 0.5,
-             "w2": rng.standard_normal((3, F, H)) * 0.5, "d_y": rng.standard_normal((B, H))}
-    dims = {"x": 0, "w1": 1, "w2": 1, "d_y": 0}
-
-    def part(name: str, r: int):
-        lo, hi = slice_range(whole[name].shape[dims[name]], ranks, r)
-        return np.ascontiguousarray(np.take(whole[name], range(lo, hi), axis=dims[name]))
-    f = run(fwd, [{n: part(n, r) for n in ("x", "w1", "w2")} for r in range(ranks)])
-    got = run(bwd, [{**{n: part(n, r) for n in dims}, **{v: f[r].outputs[f"saved_{v}"] for v in kept.saved}}
-                    for r in range(ranks)])
-    want = run(grad, [{n: part(n, r) for n in dims} for r in range(ranks)])
-    for r in range(ranks):
-        for pub in want[r].outputs:
-            np.testing.assert_allclose(got[r].outputs[pub], want[r].outputs[pub], rtol=1e-12, atol=1e-13,
-                                       err_msg=f"{pub} on rank {r}")
+    _cut_equals_the_derived_program(fwd, bwd, grad, kept.saved, 5, 3, 4)
 
 
 def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_program():
@@ -363,16 +341,21 @@ def test_the_training_cut_gathers_the_weights_again_and_equals_the_derived_progr
     waits = [w for kind, w in _starts_and_waits(with_grads(plan, ["fsdp_model"]).plans[("fsdp_model_bwd", "next")])
              if kind == "wait"]
     assert waits == [f"y__l{k}__w{j}g" for k in (2, 1, 0) for j in (2, 1)], waits
-    ranks, (T, K, N) = 2, (5, 3, 4)
+    _cut_equals_the_derived_program(fwd, bwd, grad, saved, 5, 3, 4)
+
+
+def _cut_equals_the_derived_program(fwd, bwd, grad, saved, rows: int, k: int, n: int, ranks: int = 2) -> None:
+    """A model of 3 layers' training cut (x: [rows, k] and d_y sliced(0), w1: [3, k, n] and w2:
+    [3, n, k] sliced(1)): FWD then BWD (given the SAVED values) give GRAD's gradients, under the
+    interpreter on RANKS ranks (uneven slices), in f64."""
     rng = np.random.default_rng(3)
-    whole = {"x": rng.standard_normal((T, K)), "w1": rng.standard_normal((3, K, N)) * 0.5,
-             "w2": rng.standard_normal((3, N, K)) * 0.5, "d_y": rng.standard_normal((T, K))}
+    whole = {"x": rng.standard_normal((rows, k)), "w1": rng.standard_normal((3, k, n)) * 0.5,
+             "w2": rng.standard_normal((3, n, k)) * 0.5, "d_y": rng.standard_normal((rows, k))}
     dims = {"x": 0, "w1": 1, "w2": 1, "d_y": 0}
 
     def part(name: str, r: int):
-        a, d = whole[name], dims[name]
-        lo, hi = slice_range(a.shape[d], ranks, r)
-        return np.ascontiguousarray(np.take(a, range(lo, hi), axis=d))
+        lo, hi = slice_range(whole[name].shape[dims[name]], ranks, r)
+        return np.ascontiguousarray(np.take(whole[name], range(lo, hi), axis=dims[name]))
     f = run(fwd, [{n: part(n, r) for n in ("x", "w1", "w2")} for r in range(ranks)])
     got = run(bwd, [{**{n: part(n, r) for n in dims}, **{s: f[r].outputs[f"saved_{s}"] for s in saved}}
                     for r in range(ranks)])
@@ -435,9 +418,9 @@ def test_adamw_inside_the_backward_matches_torch(ranks):
     assert clip < 1.0  # (the second step was clipped)
 
 
-def _refused_at(program: str, directive: str, where: str, message: str) -> None:
-    """`schedule s for q { DIRECTIVE }` after PROGRAM is refused with MESSAGE at WHERE."""
-    src = program + f"schedule s for q {{\n    {directive}\n}}\n"
+def _refused_at(program: str, directive: str, where: str, message: str, target: str = "q") -> None:
+    """`schedule s for TARGET { DIRECTIVE }` after PROGRAM is refused with MESSAGE at WHERE."""
+    src = program + f"schedule s for {target} {{\n    {directive}\n}}\n"
     with pytest.raises(CompileError) as err:
         load_source(src, "t.ccn")
     d = err.value.diagnostics[0]
