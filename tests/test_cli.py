@@ -436,7 +436,9 @@ schedule o for p {
     f = fuse(rs, out, ago)
     overlap(y, f, chunks=2, dim=1)
 }
-""", "11:5: error: overlap: a fused consumer is chunked along dim 0"),
+""", "11:5: error: overlap: a fused consumer is chunked along dim 0 of 'y' into an allreduce or a reducescatter "
+        "along another dim; here dim=1 into reducescatter along dim 2: chunk it along dim 0: "
+        "overlap(y, f, chunks=2, dim=0)"),
     # a fusion with nothing to compute on a chunk as it arrives (nor a reduction of the chunks
     # to accumulate, as w - g1 / norm(g1) would give): an error, not a silent fallback
     "fuse_nothing_per_chunk": ("""\

@@ -339,10 +339,14 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
                            ": remove this overlap")
     if fusion is not None:
         if not direct:
+            rows = (y.type.ndim >= 2 and not y.type.layout.sliced
+                    and (op == "allreduce" or (op == "reducescatter" and coll.type.layout.dim != 0)))
+            fix = (f"chunk it along dim 0: overlap({y.name}, {o.consumer}, chunks={o.chunks}, dim=0)" if rows else
+                   "remove this overlap (the fused collective then runs after the matmul)")
             raise PlanError.at(o.span, f"overlap: a fused consumer is chunked along dim 0 of "
                                f"'{y.name}' into an allreduce or a reducescatter along another dim; "
                                f"here dim={o.dim} into {op}" +
-                               (f" along dim {coll.type.layout.dim}" if op == "reducescatter" else ""))
+                               (f" along dim {coll.type.layout.dim}" if op == "reducescatter" else "") + f": {fix}")
         fused = fused_spec(p, fusion, scattered, rows_ok=True)
     elif op not in ("allreduce", "reducescatter", "allgather"):
         raise PlanError.at(o.span, f"overlap: chunks of a matmul go to an allreduce, a "
