@@ -46,6 +46,11 @@ class ScheduleIR:
     def auto(self) -> bool:
         return self.ir is None
 
+    @property
+    def keeps_gathered(self) -> bool:
+        """Does it say keep_gathered() (a grad schedule: autodiff/saved.py pairing)?"""
+        return keeps_gathered(self.directives)
+
 
 @dataclass
 class SourceFile:

@@ -28,7 +28,6 @@ from coconetc.autodiff.vjp import cotangent_params, live, recomputed
 from coconetc.ir.expr import Op, Ref, refs
 from coconetc.ir.gathers import weight_of
 from coconetc.ir.nodes import Param, Program
-from coconetc.schedule.prefetch import keeps_gathered
 
 
 @dataclass(frozen=True)
@@ -127,8 +126,9 @@ def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: s
     """The Pairing of PROGRAM (its derived program GRAD) in a file whose programs (the
     derived and cut ones included: sourcefile.with_grads) and schedules by program are given;
     DEFAULT: the unscheduled program's label."""
-    sched = schedules.get(grad, {}).get(grad_schedule)
-    kept = sched is not None and keeps_gathered(sched.directives)
+    # (a grad schedule that says keep_gathered() pairs the cut that keeps the gathered weights:
+    # sourcefile.ScheduleIR.keeps_gathered; the schedule layer is above this one)
+    kept = bool(getattr(schedules.get(grad, {}).get(grad_schedule), "keeps_gathered", False))
     fwd, bwd = fwd_name(program, kept), bwd_name(program, kept)
     cut = (schedule == default or schedule in schedules.get(fwd, {})) and \
         (grad_schedule == default or grad_schedule in schedules.get(bwd, {}))
