@@ -307,12 +307,18 @@ def _derived_callees(prog: syntax.Program, scope: Scope, stack: tuple[str, ...])
     """A program may call the derived program of another, `q_grad(...)` (or the backward of its
     training cut, `q_bwd(...)`), by the name the file gives it (docs/language.md, "Calling
     programs"): each such callee is derived here from q's checked IR, printed and read back as a
-    program of the scope, and then inlined by the checker as any called program is."""
-    from coconetc.frontend.calls import is_call
+    program of the scope, and then inlined by the checker as any called program is; so are
+    those of the programs PROG calls (which the checker inlines into it), wherever they stand."""
+    from coconetc.frontend.calls import callee, is_call
     from coconetc.ir.printer import program as printed
     for stmt in prog.body:
         call = getattr(stmt, "value", None)
-        if not isinstance(call, syntax.Call) or call.fn in scope.programs or is_call(call, scope):
+        if not isinstance(call, syntax.Call):
+            continue
+        if is_call(call, scope):  # a program of the file: its own calls of derived programs first
+            name = callee(call)
+            if name in scope.programs and name not in stack:
+                _derived_callees(scope.programs[name], scope, (*stack, name))
             continue
         if ops.called(call.fn) is not None or ops.arities(call.fn) or call.fn in scope.defs:
             continue

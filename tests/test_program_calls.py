@@ -271,10 +271,13 @@ def test_a_program_calls_a_derived_program_by_its_name():
     rng = np.random.default_rng(0)
     x, w, d = (rng.standard_normal(5) for _ in range(3))
     gx, gw = d * np.exp(x * w) * w, d * np.exp(x * w) * x
-    for text in (f + g, g + f):
+    outer = ("program k(x: f64[N] replicated, w: f64[N] replicated, d: f64[N] replicated) {\n"
+             "    z = g(x, w, d)\n    return z\n}\n")  # (g's derived calls inlined through k, defined before g)
+    for text in (f + g, g + f, outer + g + f):
         mod = load_source(text.replace("f32", "f64"))
-        [res] = run(mod.programs["g"], [{"x": x, "w": w, "d": d}])
-        np.testing.assert_allclose(res.outputs["z"], gx * gw + gx - gw, rtol=1e-13)
+        for name in ("g", "k") if text.startswith(outer) else ("g",):
+            [res] = run(mod.programs[name], [{"x": x, "w": w, "d": d}])
+            np.testing.assert_allclose(res.outputs["z"], gx * gw + gx - gw, rtol=1e-13)
     assert [s.name for s in mod.programs["g"].stages][:2] == ["d_x__t", "d_x__y_exp"]  # (named by the call)
 
 
