@@ -162,10 +162,10 @@ def _reshape_views(plan: Plan) -> dict[str, str]:
         if not (isinstance(u, Library) and u.op == "reshape"):
             continue
         dst, src = kinds[u.dst], kinds[u.args[0]]
-        if dst.kind == "scratch" and not dst.shared and not dst.unallocated and dst.name not in sent \
+        if dst.kind == "scratch" and dst.private and dst.name not in sent \
                 and src.kind in ("scratch", "param") and src.name not in updated and src.type.dtype == dst.type.dtype:
             views[dst.name] = src.name
-        elif dst.kind == "output" and src.kind == "scratch" and not src.shared and not src.unallocated \
+        elif dst.kind == "output" and src.kind == "scratch" and src.private \
                 and src.name not in sent and src.name not in views and src.type.dtype == dst.type.dtype:
             # the other way: a returned reshape (a saving forward's saved value) whose source is
             # computed straight into the output's memory; the renderers check the reshape's sizes
@@ -188,7 +188,7 @@ def _index_views(plan: Plan, views: dict[str, str]) -> dict[str, tuple[str, int]
         if not (isinstance(u, Library) and u.op == "index"):
             continue
         dst, src = kinds[u.dst], kinds[u.args[0]]
-        if dst.kind == "scratch" and not dst.shared and not dst.unallocated and dst.name not in sent \
+        if dst.kind == "scratch" and dst.private and dst.name not in sent \
                 and dst.name not in views and src.name not in views and src.kind in ("scratch", "param") \
                 and src.name not in updated and src.type.dtype == dst.type.dtype:
             rows[dst.name] = (src.name, int(dict(u.attrs)["i"]))  # type: ignore[call-overload]
@@ -238,8 +238,8 @@ def _stack_sums(plan: Plan) -> tuple[dict[str, tuple[str, int]], set[str]]:
     def private(name: str, kinds: tuple[str, ...] = ("scratch",), once: bool = True) -> bool:
         """A buffer of its own (once: touched by its writer and one reader only)."""
         b = bufs.get(name)
-        return (b is not None and b.kind in kinds and not b.shared and not b.unallocated and not b.same_as
-                and not b.reuses and (not once or sum(_touches(u, {name}) for u in plan.units) == 2))
+        return (b is not None and b.kind in kinds and b.private and not b.same_as and not b.reuses
+                and (not once or sum(_touches(u, {name}) for u in plan.units) == 2))
 
     def rows(name: str, nodes: list[str]) -> dict[int, str] | None:
         """The layers' gradients whose unindexes sum to NAME (row -> value), the sum's nodes in NODES."""
@@ -285,8 +285,7 @@ def gathered_lives(plan: Plan) -> dict[str, tuple[int, int]]:
     for u in plan.units:
         if isinstance(u, Collective) and u.op == "allgather" and not u.into:
             b = bufs.get(u.dst)
-            if b is not None and b.kind == "scratch" and not b.shared and not b.unallocated and not b.same_as \
-                    and b.name not in inside:
+            if b is not None and b.kind == "scratch" and b.private and not b.same_as and b.name not in inside:
                 names.append(b.name)
     lives = {}
     for n in names:

@@ -51,6 +51,12 @@ class Buffer:
     same_at: int | None = None  # with same_as: an index's row i of its source (its memory from i * this buffer's size)
     reuses: str = ""  # scratch: an all-gathered value held in an earlier one's memory, whose last reader has run (plan/targets.py)
 
+    @property
+    def private(self) -> bool:
+        """Memory of this rank's own on every target: not in the group's shared window, and
+        allocated everywhere (what a decision to place a value in another's memory needs)."""
+        return not self.shared and not self.unallocated
+
 
 @dataclass(frozen=True)
 class Let:
