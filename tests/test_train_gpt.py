@@ -141,7 +141,7 @@ def _train_sharded(ranks: int, *args: str) -> subprocess.CompletedProcess:
 def _check_sharded(res: subprocess.CompletedProcess, ranks: int, resumed_here: bool, blocks: str = "torch") -> None:
     """train_sharded.py's report (BLOCKS: its --blocks): 10 steps like one process (every
     parameter's gradient part, the losses); the checkpoint resumed for steps 10 to 12 like one
-    process going on; loaded on the ranks that saved it, the parts and AdamW's state bit for bit
+    process resumed from it; loaded on the ranks that saved it, the parts and AdamW's state bit for bit
     the saved ones."""
     steps = {f"sharded/{blocks}": [0, 1, 2, 4, 9], f"resumed/{blocks}": [10, 11, 12]}
     modes = list(steps) if resumed_here else [f"resumed/{blocks}"]
@@ -167,7 +167,7 @@ def test_sharded_gpt_trains_like_one_process_and_resumes_its_checkpoint(tmp_path
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_sharded_gpt_checkpoint_of_4_ranks_resumes_on_2(tmp_path, monkeypatch):
     """Saved on 4 ranks (and resumed there), loaded on 2 (--load): the whole-tensor checkpoint
-    resumes on another rank count like one process that trained from the start (10 to 12 s with
+    resumes on another rank count like one process resumed from it (10 to 12 s with
     both pools started here: not marked slow)."""
     monkeypatch.chdir(tmp_path)
     _check_sharded(_train_sharded(4, "--save", "ckpt4.pt"), 4, resumed_here=True)
