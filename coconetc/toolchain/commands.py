@@ -64,7 +64,8 @@ def _cpu_flags(include_dirs: tuple[str, ...] = ()) -> list[str]:
     tc = toolchain()
     return ["-std=c++17", *cpu.CXX_FLAGS, "-fPIC", "-fvisibility=hidden", "-fopenmp", "-pthread",
             *(["-DCOCONET_VECTOR_MATH"] if vector_math() else []),
-            f"-I{runtime_dir()}", f"-I{tc.blas_include}", *(f"-I{d}" for d in include_dirs),
+            *(f"-D{d}" for d in tc.blas_defines), f"-I{runtime_dir()}", f"-I{tc.blas_include}",
+            *(f"-I{d}" for d in include_dirs),
             *shlex.split(os.environ.get("CXXFLAGS", ""))]
 
 
@@ -146,11 +147,14 @@ def _library(prefix: str, name: str, text: str, cmd: list[str], key_parts: list[
     return artifacts.cached_object(_objects_dir(), key, ".cpp", text, go, product=".so")
 
 
-def _blas() -> list[str]:
-    """Linking the BLAS library (a run path to its folder), and glibc's vector math library where
-    the units use it (probes.vector_math)."""
-    lib = Path(toolchain().blas_lib)
-    return [f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}", *(["-lmvec"] if vector_math() else [])]
+def _blas(vector: bool = True) -> list[str]:
+    """Linking the BLAS libraries (a run path to their folders), and glibc's vector math library
+    where the units use it (probes.vector_math; VECTOR false: not)."""
+    libs = [Path(lib) for lib in toolchain().blas_libs if not lib.startswith("-")]
+    dirs = list(dict.fromkeys(str(lib.parent) for lib in libs))
+    return [*(f"-L{d}" for d in dirs), *(f"-l:{lib.name}" for lib in libs),
+            *(lib for lib in toolchain().blas_libs if lib.startswith("-")), *(f"-Wl,-rpath,{d}" for d in dirs),
+            *(["-lmvec"] if vector and vector_math() else [])]
 
 
 def _runtime_link(library: Path) -> list[str]:
@@ -384,8 +388,6 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
     its binding and its library (the runtime's compile-time switches, such as
     COCONET_EMULATE_SYM_THREADS: a binding and a library are compiled once for each set)."""
     def run(src: Path, build: Path, log: Log | None) -> None:
-        tc = toolchain()
-        blas_dir = str(Path(tc.blas_lib).parent)
         bind_rt, bind_parts = binding or (runtime, key_parts)
         text = (bind_rt / "coconet" / "cuda" / "bind.cu").read_text()
         flags = [f"-D{d}" for d in defines]
@@ -402,7 +404,7 @@ def emulated(name: str, runtime: Path, key_parts: list[str],
         compiler, *options = _emulated_flags(runtime)  # the header's folder first on the include path
         cmd = [compiler, *pch, *options, *flags, "-shared", "-x", "c++",
                str(src / "module.cu"), "-x", "none", str(bound), *_runtime_link(library),
-               f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
+               *_blas(vector=False), "-Wl,-Bsymbolic-functions",
                "-o", str(build / f"{name}.so")]
         _steps([("compiling (host emulation)", cmd)], src / "module.cu", log, quiet=True)
     return run
@@ -440,6 +442,7 @@ def _emulated_flags(runtime: Path) -> list[str]:
     """mpicxx's options for the host emulation: -O1, the headers as a module includes them (the
     emulation's own functions declared only: COCONET_EMULATE_LINKS, emulate_types.h), then
     CXXFLAGS from the environment (as for a CPU module's units; the tests build at -O0)."""
-    return [toolchain().mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", "-DCOCONET_EMULATE_LINKS",
-            f"-I{runtime}",
+    tc = toolchain()
+    return [tc.mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", "-DCOCONET_EMULATE_LINKS",
+            *(f"-D{d}" for d in tc.blas_defines), f"-I{runtime}",
             *shlex.split(os.environ.get("CXXFLAGS", ""))]

@@ -21,7 +21,9 @@ from coconetc.paths import install_command, runtime_dir
 ENV_VERBOSE = "COCONET_VERBOSE"  # 1: show cmake's output while building
 ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
 ENV_BUILD_JOBS = "COCONET_BUILD_JOBS"  # parallel jobs of a CUDA build (default 2)
+ENV_BLAS = "COCONET_BLAS"  # mkl or openblas: the CPU modules' BLAS (default: MKL where its wheel is installed)
 CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # the modules the 'cpu' extra brings (pyproject.toml)
+MKL_LIBS = ("libmkl_intel_lp64", "libmkl_gnu_thread", "libmkl_core")  # MKL's BLAS on GNU OpenMP, in link order
 
 
 class BuildError(RuntimeError):
@@ -39,13 +41,16 @@ def tools_key(tools: object) -> str:
 
 @dataclass(frozen=True)
 class Toolchain:
-    """The CPU builds' tools: CMake, the MPI C++ compiler, pybind11 and OpenBLAS."""
+    """The CPU builds' tools: CMake, the MPI C++ compiler, pybind11 and the BLAS: its libraries
+    (files, and linker options such as -lgomp, in link order) and the macros that make
+    runtime_cpp/coconet/gemm.h call it."""
 
     cmake: str
     mpicxx: str
     pybind11_dir: str
     blas_include: str
-    blas_lib: str
+    blas_libs: tuple[str, ...]
+    blas_defines: tuple[str, ...]
 
     def key(self) -> str:
         return tools_key(self)
@@ -75,17 +80,50 @@ def _bin(name: str, extra: str = "cpu") -> str:
     return found
 
 
+def mkl_libs() -> tuple[str, ...]:
+    """MKL's libraries from the `mkl` wheel (MKL_LIBS' files, in link order), or () where that
+    wheel is not installed (or lacks one of them)."""
+    import importlib.metadata
+    try:
+        dist = importlib.metadata.distribution("mkl")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    found = {Path(str(f)).name.split(".so")[0]: str(dist.locate_file(f)) for f in dist.files or ()
+             if ".so" in Path(str(f)).name}
+    return tuple(str(Path(found[n]).resolve()) for n in MKL_LIBS) if all(n in found for n in MKL_LIBS) else ()
+
+
+def blas_libraries() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The BLAS the CPU modules link: (its libraries, gemm.h's macros for it). MKL where the `mkl`
+    wheel is installed (the cpu extra installs it on x86-64: torch's own BLAS, from 5% faster than
+    OpenBLAS at a GPT block's GEMM shapes to 28% at a pipeline micro-batch's,
+    docs/results/cpu_2026-12-05_blas.md), else OpenBLAS (scipy-openblas32); COCONET_BLAS=openblas
+    or =mkl chooses."""
+    import scipy_openblas32 as blas
+    want = os.environ.get(ENV_BLAS, "").strip().lower()
+    if want not in ("", "mkl", "openblas"):
+        raise BuildError(f"coconetc: {ENV_BLAS}={want!r}: expected 'mkl' or 'openblas' (or unset: MKL where installed)")
+    if want != "openblas":
+        mkl = mkl_libs()
+        if mkl:  # its GNU OpenMP layer names libgomp's symbols without needing the library
+            return (*mkl, "-lgomp"), ("COCONET_BLAS_MKL",)
+        if want == "mkl":
+            raise BuildError(f"coconetc: {ENV_BLAS}=mkl but MKL's wheel is not installed (pip install mkl), or "
+                             f"unset {ENV_BLAS} to use OpenBLAS")
+    libdir = Path(blas.get_lib_dir())
+    libs = sorted(libdir.glob("libscipy_openblas*.so*")) or sorted(libdir.glob("*openblas*"))
+    if not libs:
+        raise BuildError(f"coconetc: no OpenBLAS library in {libdir}")
+    return (str(libs[0]),), ()
+
+
 @cache
 def toolchain() -> Toolchain:
     require_cpu_extra()
     import pybind11
     import scipy_openblas32 as blas
-    libdir = Path(blas.get_lib_dir())
-    libs = sorted(libdir.glob("libscipy_openblas*.so*")) or sorted(libdir.glob("*openblas*"))
-    if not libs:
-        raise BuildError(f"coconetc: no OpenBLAS library in {libdir}")
-    return Toolchain(_bin("cmake"), _bin("mpicxx"), pybind11.get_cmake_dir(), blas.get_include_dir(),
-                     str(libs[0]))
+    libs, defines = blas_libraries()
+    return Toolchain(_bin("cmake"), _bin("mpicxx"), pybind11.get_cmake_dir(), blas.get_include_dir(), libs, defines)
 
 
 @cache
@@ -94,11 +132,12 @@ def toolchain_fingerprint() -> str:
     runtime/warm.py, where importing them costs more than the rest of the key): the tools'
     paths, where each wheel of the cpu extra is and when its __init__ was written (the
     Toolchain's CMake folder, headers and library lie in these wheels' folders, which an
-    install rewrites), and the platform. It changes when a tool is found elsewhere or a wheel is
-    installed again or elsewhere, which is when toolchain().key() changes (short of a library
-    copied by hand into a wheel's folder)."""
+    install rewrites), MKL's libraries and when they were written, COCONET_BLAS, and the platform.
+    It changes when a tool is found elsewhere or a wheel is installed again or elsewhere, which
+    is when toolchain().key() changes (short of a library copied by hand into a wheel's folder)."""
     require_cpu_extra()
-    parts = [_bin("cmake"), _bin("mpicxx"), *_platform()]
+    parts = [_bin("cmake"), _bin("mpicxx"), *_platform(), os.environ.get(ENV_BLAS, ""),
+             *(f"{lib}:{os.stat(lib).st_mtime_ns}" for lib in mkl_libs())]
     for name in CPU_EXTRA:
         origin = importlib.util.find_spec(name).origin  # type: ignore[union-attr]
         parts += [str(origin), str(os.stat(origin).st_mtime_ns) if origin else ""]

@@ -8,8 +8,9 @@
 //   i32, i64      -> a plain i-k-j loop (wrapping arithmetic as in C++ on two's complement).
 // With COCONET_NO_BLAS defined, every type uses the loop (accumulating in the compute type),
 // so the header compiles and links without BLAS.  With BLAS, link the library (no header is
-// needed); another CBLAS can be used by defining COCONET_CBLAS(name) (default:
-// scipy_cblas_##name) and COCONET_BLAS_SET_THREADS.
+// needed): OpenBLAS by default; with COCONET_BLAS_MKL, MKL (link libmkl_intel_lp64,
+// libmkl_gnu_thread, libmkl_core and libgomp); another CBLAS by defining COCONET_CBLAS(name)
+// and COCONET_BLAS_SET_THREADS.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +30,10 @@
 #endif
 
 #ifndef COCONET_NO_BLAS
+#if defined(COCONET_BLAS_MKL) && !defined(COCONET_CBLAS)
+#define COCONET_CBLAS(name) cblas_##name
+#define COCONET_BLAS_SET_THREADS MKL_Set_Num_Threads
+#endif
 #ifndef COCONET_CBLAS
 #define COCONET_CBLAS(name) scipy_cblas_##name
 #endif
@@ -86,7 +91,7 @@ COCONET_LIBRARY void require_blas_dims(int64_t M, int64_t N, int64_t K, int64_t 
                                                  " exceeds BLAS's 32-bit int");
 })
 
-// OpenBLAS's threads per process (set 1 when several MPI ranks share the cores).
+// The BLAS's threads per process (set 1 when several MPI ranks share the cores).
 inline void set_blas_threads(int n) { COCONET_BLAS_SET_THREADS(n); }
 
 // f32 through sgemm.
