@@ -2,7 +2,7 @@
 //
 // C[M, N] = A[M, K] x B[K, N], row-major, with leading dimensions (elements between rows).
 // A batched `[..., M, K] x [K, N]` is the same call with M = product of the leading dims.
-//   f32, f64      -> OpenBLAS sgemm / dgemm (scipy-openblas32 wheel: symbols scipy_cblas_*);
+//   f32, f64      -> the BLAS's sgemm / dgemm (MKL or OpenBLAS, below);
 //   f16, bf16     -> B widened to f32 once (per-thread scratch), A widened and C rounded back
 //                    (to nearest even) in blocks of rows around one sgemm each;
 //   i32, i64      -> a plain i-k-j loop (wrapping arithmetic as in C++ on two's complement).

@@ -24,9 +24,10 @@
 // per-thread scratch memory (one per allocation site anyway), values read from the environment
 // (the same in every copy), the MPI_Ops of 16-bit floats (one per copy, created once each), the
 // batch's worker threads (Workers, turns.h: only the binding runs batches, one pool per module
-// as before). The BLAS thread pool is the shared library's own (OpenBLAS: one per process);
-// the loops' is the state's (loop_pool.h). A unit is never unmapped, so the state's callbacks
-// (the BLAS hook, the Comm cache's delete callback) stay valid for the process's life.
+// as before). The BLAS thread pool is the shared library's own (one per process: OpenBLAS's,
+// or MKL's OpenMP threads); the loops' is the state's (loop_pool.h). A unit is never unmapped,
+// so the state's callbacks (the BLAS hook, the Comm cache's delete callback) stay valid for the
+// process's life.
 #pragma once
 
 // COCONET_SHARED: what the compiled runtime defines for every shared object of the process (the
