@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coconetc.plan.units import Buffer, ColSum, Library, Loop, Unit, _touches
+from coconetc.plan.units import Buffer, ColSum, Library, Loop, Unit, _may_write, _touches
 
 ON = ("cpu", "cuda")  # the backends that can add a loop's column sums (a benchmark may narrow it)
 
@@ -44,7 +44,7 @@ def colsum_of(units: list[Unit], i: int, buffers: dict[str, Buffer], skip: set[i
         v = units[j]
         if isinstance(v, Loop) and any(it.name == g for it in v.items):
             return j if _takes(units, j, gt, buffers, skip) else -1
-        if _touches(v, {db}) or _writes(v, g):
+        if _touches(v, {db}) or _may_write(v, g):
             return -1
     return -1
 
@@ -60,12 +60,6 @@ def _takes(units: list[Unit], j: int, gt, buffers: dict[str, Buffer], skip: set[
     from coconetc.ir.expr import refs
     read = {n for it in loop.items for n in refs(it.expr)}
     return not any(buffers[n].kind == "segments" for n in read if n in buffers)
-
-
-def _writes(u: Unit, name: str) -> bool:
-    if isinstance(u, Library):
-        return u.dst == name
-    return _touches(u, {name})
 
 
 def with_colsums(units: list[Unit], buffers: dict[str, Buffer], skip: set[int]) -> list[Unit]:

@@ -52,7 +52,7 @@ from coconetc.ir.nodes import Const, Expr, Op, Ref, refs
 from coconetc.ir.printer import expr as printed
 from coconetc.ir.types import TType
 from coconetc.ir.dtypes import TABLE
-from coconetc.plan.units import Buffer, Epilogue, Library, Loop, Unit, _touches
+from coconetc.plan.units import Buffer, Epilogue, Library, Loop, Unit, _may_write, _touches
 
 
 
@@ -150,16 +150,9 @@ def bgrad_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> int:
         if isinstance(v, Library) and v.op == "matmul_tn" and v.args[1] == g and v.epilogue is None \
                 and buffers[v.args[0]].kind != "segments" and buffers[v.dst].type.dtype == gt.dtype:
             return j
-        if _touches(v, {db}) or _writes(v, g):
+        if _touches(v, {db}) or _may_write(v, g):
             return -1
     return -1
-
-
-def _writes(u: Unit, name: str) -> bool:
-    """Whether unit U may write NAME (a unit that touches it and is not a Library reading it)."""
-    if isinstance(u, Library):
-        return u.dst == name
-    return _touches(u, {name})
 
 
 def fused_on(u: Library, epilogue: Epilogue, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:

@@ -559,6 +559,14 @@ def _item_touches(i: Item, names: set[str]) -> bool:
     return i.name in names or bool(names.intersection(refs(i.expr)))
 
 
+def _may_write(u: Unit, name: str) -> bool:
+    """Whether unit U may write NAME: a library call writes its dst only; any other unit that
+    touches NAME may (the conservative answer for loops, collectives, fused units)."""
+    if isinstance(u, Library):
+        return u.dst == name
+    return _touches(u, {name})
+
+
 def _touches(u: Unit, names: set[str]) -> bool:
     """Whether unit U reads or writes any of NAMES (a fused collective or an overlap: anywhere
     inside it)."""
