@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(PY) bench/sharded.py
 	$(PY) bench/prefetch.py
 	$(PY) bench/block_threads.py
+	$(PY) bench/blas.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
