@@ -78,6 +78,21 @@ def test_inputs_are_drawn_by_what_they_reach():
     assert 0.05 <= min(ps) and max(ps) <= 0.5 and max(ps) > 0.3
 
 
+def test_timing_inputs_keep_a_blocks_sums_near_one():
+    """typical=True (coconetc run, tune, explain --measure): a tensor of two or more dims is
+    divided by the square root of its first dim; vectors and integers are drawn as before. The
+    GPT block's GELU inputs then stay where its derivative is a normal float (with U(-1, 1)
+    weights at H = 1024 they reach |x| = 13, where x exp(-x^2/2) is subnormal)."""
+    block = load_file(EXAMPLES / "gpt_block.ccn").program("gpt_block")
+    sizes = {"B": 2, "S": 8, "H": 1024, "NH": 16, "HD": 64, "F": 4096}
+    plain, typical = (random_inputs(block, 1, sizes=sizes, seed=1, typical=t)[0] for t in (False, True))
+    assert np.allclose(typical["w_fc"], plain["w_fc"] / 32.0) and np.allclose(typical["x"], plain["x"] / np.sqrt(2))
+    assert np.array_equal(typical["b_fc"], plain["b_fc"]) and typical["scale"] == plain["scale"]
+    n2 = np.random.default_rng(0).standard_normal((16, 1024)).astype(np.float32)  # a layernorm's output
+    hm = n2 @ typical["w_fc"]
+    assert np.abs(hm).max() < 5 < np.abs(n2 @ plain["w_fc"]).max()
+
+
 def _results(v: np.ndarray) -> list[Result]:
     return [Result({"y": v}, {}, {})]
 

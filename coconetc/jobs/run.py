@@ -38,7 +38,7 @@ def _main(a, comm) -> int:
     mod = load_for(a, comm)
     fn: Any = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
-    inputs = random_inputs(base, comm.Get_size(), a.groups, sizes, a.seed)
+    inputs = random_inputs(base, comm.Get_size(), a.groups, sizes, a.seed, typical=True)
     bad = 0
     for sched in a.schedule or [None]:
         bad += _run_one(a, comm, fn, base, inputs, sched)

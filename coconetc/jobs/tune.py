@@ -44,7 +44,7 @@ def _main(a, comm) -> int:
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
     mod = load_for(a, comm)
     fn, base = mod.programs[a.program], mod.source_module.programs[a.program]
-    inputs = random_inputs(base, comm.Get_size(), 1, sizes, a.seed)
+    inputs = random_inputs(base, comm.Get_size(), 1, sizes, a.seed, typical=True)
     measured = _time_all(fn, a.schedule, base, inputs, comm, a.reps, a.cuda)
     conv = {label: convention(_ir(fn, label), base) for label in a.schedule}
     verified: dict[str, list[str]] = {}

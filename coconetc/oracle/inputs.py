@@ -36,11 +36,21 @@ def default_segments(n: int) -> tuple[int, ...]:
     return (a, b, n - a - b) if n - a - b > 0 else (a, n - a)
 
 
-def _values(q: Param, shape: tuple[int, ...], rng: np.random.Generator, positive: bool) -> np.ndarray:
+def _values(q: Param, shape: tuple[int, ...], rng: np.random.Generator, positive: bool,
+            typical: bool = False) -> np.ndarray:
+    """Q's values: integers in [-50, 50), floats in U(0.5, 1.5) where positive, else U(-1, 1).
+    TYPICAL (timing runs): a float tensor of two or more dims divided by the square root of its
+    first dim, a weight's fan-in in `x @ w`, as an initializer scales it, so that sums over
+    many products stay near 1. With U(-1, 1) weights a GPT block at H = 1024 puts GELU's inputs
+    near |x| = 13, whose derivative x exp(-x^2/2) is subnormal: every GEMM reading it took
+    microcode assists, 47x its time (docs/gpt_block.md)."""
     dt = STORAGE[q.type.dtype]
     if q.type.dtype.startswith("i"):
         return rng.integers(-50, 50, size=shape).astype(dt)
-    return rng.uniform(0.5, 1.5, size=shape).astype(dt) if positive else rng.uniform(-1.0, 1.0, size=shape).astype(dt)
+    v = rng.uniform(0.5, 1.5, size=shape) if positive else rng.uniform(-1.0, 1.0, size=shape)
+    if typical and len(shape) >= 2 and shape[0] > 1:
+        v /= np.sqrt(shape[0])
+    return v.astype(dt)
 
 
 # --- which inputs must be positive -----------------------------------------------------------
@@ -175,9 +185,10 @@ def dropout_probabilities(p: Program) -> set[str]:
 
 
 def random_inputs(p: Program, ranks: int, groups: int = 1, sizes: Mapping[str, int] | None = None,
-                  seed: int = 0, segments: Sequence[int] | None = None) -> list[dict[str, Any]]:
+                  seed: int = 0, segments: Sequence[int] | None = None, typical: bool = False) -> list[dict[str, Any]]:
     """One argument mapping per rank, in p's calling convention. Replicated values are equal
-    within a group, sliced ones are cut from one global tensor per group."""
+    within a group, sliced ones are cut from one global tensor per group. typical: magnitudes
+    for timing (_values)."""
     rng = np.random.default_rng(seed)
     sz = {s: (sizes or {}).get(s, DEFAULT_SIZE) for s in size_symbols(p)}
     gs = ranks // groups
@@ -192,9 +203,9 @@ def random_inputs(p: Program, ranks: int, groups: int = 1, sizes: Mapping[str, i
         shape = tuple(eval_dim(d, sz) for d in q.type.shape)
         segs = tuple(segments) if segments is not None else default_segments(shape[0]) if shape else ()
         for g in range(groups):
-            shared = _values(q, shape, rng, q.name in positive)
+            shared = _values(q, shape, rng, q.name in positive, typical)
             for j in range(gs):
-                full = _values(q, shape, rng, q.name in positive) if q.type.layout.kind == "local" else shared
+                full = _values(q, shape, rng, q.name in positive, typical) if q.type.layout.kind == "local" else shared
                 out[g * gs + j][q.name] = _cut(q, full, gs, j, segs)
     return out
 
