@@ -84,7 +84,7 @@ class Machine:
     mem_bw: float = 18e9
     link_bw: float = 6e9    # between the ranks of a node
     net_bw: float = 3e9     # between nodes, per rank (a 100 Gb/s link shared by 4 ranks)
-    flop_rate: float = 20e9
+    flop_rate: float = 150e9  # one core's f32 GEMMs with MKL (bench/blas.py: 150-170 GFLOP/s)
     launch_s: float = 5e-6
     # Open MPI's MPI_Reduce_scatter between the ranks of a node, per byte sent (bench/collectives.py,
     # quiet, 2 ranks: 4 MiB in 1.5 ms, 16 MiB in 9.5 ms, half of it sent: 0.9 to 1.4 GB/s, where
