@@ -31,16 +31,13 @@ TRANS = ((False, False), (False, True), (True, False))  # A B, A B^T (a forward)
 
 def _libraries() -> dict[str, ctypes.CDLL]:
     """Each BLAS the toolchain can link, loaded (MKL only where its wheel is installed)."""
-    import scipy_openblas32
-
     from coconetc.toolchain import probes
     out = {}
     mkl = probes.mkl_libs()
     if mkl:  # its single dynamic library (the same kernels as the libraries the modules link), sequential
         out["mkl"] = ctypes.CDLL(str(sorted(Path(mkl[0]).parent.glob("libmkl_rt.so*"))[0]))
         out["mkl"].MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL, before any other call
-    lib = sorted(Path(scipy_openblas32.get_lib_dir()).glob("libscipy_openblas*.so*"))[0]
-    out["openblas"] = ctypes.CDLL(str(lib))
+    out["openblas"] = ctypes.CDLL(probes.openblas_lib())
     return out
 
 

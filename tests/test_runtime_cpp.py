@@ -36,10 +36,11 @@ def _cmake() -> str:
 def _blas_paths() -> tuple[str, str]:
     """(include dir, library file) of OpenBLAS from the scipy-openblas32 wheel."""
     sob = pytest.importorskip("scipy_openblas32")
-    libs = sorted(Path(sob.get_lib_dir()).glob("libscipy_openblas*.so*"))
-    if not libs:
+    from coconetc.toolchain.probes import BuildError, openblas_lib
+    try:
+        return sob.get_include_dir(), openblas_lib()
+    except BuildError:
         pytest.skip("scipy_openblas32 has no shared library")
-    return sob.get_include_dir(), str(libs[0])
 
 
 def _run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:

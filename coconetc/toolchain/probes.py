@@ -80,6 +80,7 @@ def _bin(name: str, extra: str = "cpu") -> str:
     return found
 
 
+@cache
 def mkl_libs() -> tuple[str, ...]:
     """MKL's libraries from the `mkl` wheel (MKL_LIBS' files, in link order), or () where that
     wheel is not installed (or lacks one of them)."""
@@ -99,7 +100,6 @@ def blas_libraries() -> tuple[tuple[str, ...], tuple[str, ...]]:
     OpenBLAS at a GPT block's GEMM shapes to 28% at a pipeline micro-batch's,
     docs/results/cpu_2026-12-05_blas.md), else OpenBLAS (scipy-openblas32); COCONET_BLAS=openblas
     or =mkl chooses."""
-    import scipy_openblas32 as blas
     want = os.environ.get(ENV_BLAS, "").strip().lower()
     if want not in ("", "mkl", "openblas"):
         raise BuildError(f"coconetc: {ENV_BLAS}={want!r}: expected 'mkl' or 'openblas' (or unset: MKL where installed)")
@@ -110,11 +110,17 @@ def blas_libraries() -> tuple[tuple[str, ...], tuple[str, ...]]:
         if want == "mkl":
             raise BuildError(f"coconetc: {ENV_BLAS}=mkl but MKL's wheel is not installed (pip install mkl), or "
                              f"unset {ENV_BLAS} to use OpenBLAS")
+    return (openblas_lib(),), ()
+
+
+def openblas_lib() -> str:
+    """OpenBLAS's shared library in the scipy-openblas32 wheel; a BuildError where it has none."""
+    import scipy_openblas32 as blas
     libdir = Path(blas.get_lib_dir())
     libs = sorted(libdir.glob("libscipy_openblas*.so*")) or sorted(libdir.glob("*openblas*"))
     if not libs:
         raise BuildError(f"coconetc: no OpenBLAS library in {libdir}")
-    return (str(libs[0]),), ()
+    return str(libs[0])
 
 
 @cache
