@@ -8,7 +8,10 @@ a nanoGPT-shaped GPT (bench/nanogpt.py, f32) cut into P stages of one rank each,
   torch    the same model's nanoGPT Blocks (the same weights) in torch.distributed.pipelining
            PipelineStages over gloo: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (2
            stages a rank), ScheduleInterleavedZeroBubble (ZB1P, one stage a rank; where torch
-           refuses it, ScheduleZBVZeroBubble with 2 stages a rank, and the reason is reported)
+           refuses it, ScheduleZBVZeroBubble with 2 stages a rank, and the reason is reported);
+           zero_bubble_h2, which torch has no single-stage schedule for: torch's schedule runtime
+           (_PipelineScheduleRuntime, the one its zero-bubble schedules run on) given coconet's
+           own action lists (F, I for B, W), so both run the same order
 
 Both run the same layer cut (layer bounds as even as can be, interleaved: virtual stage
 c * P + rank), the same weights, the same batch; the first step's mean losses are checked to
@@ -40,7 +43,7 @@ its first step: a header before each message and a blocking receive where the ac
 none posted ahead ("old ms"; "old/new": its median over the default's).
 
 Run: python bench/pipeline.py [--layers 8] [--hidden 256] [--heads 4] [--seq 128] [--batch 8]
-     [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble]
+     [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble,zero_bubble_h2]
      [--reps 5] [--json PATH] [--old-receives]
 It relaunches itself on max(--stages) ranks under mpiexec (the ranks past a pipeline's P wait
 at the barriers); rank 0 prints the table (and with --json writes every number)."""
@@ -60,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coconetc.pipeline import ORDERS, layer_bounds
+from coconetc.pipeline import ORDERS, layer_bounds, make
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -68,7 +71,7 @@ _EXAMPLE = HERE.parent / "examples" / "gpt_block.ccn"
 GPT_BLOCK: str | Path = _EXAMPLE if _EXAMPLE.exists() else "gpt_block.ccn"  # the shipped example by name
 PROGRAM = "gpt_block"
 TORCH_ORDERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                "zero_bubble": "ScheduleInterleavedZeroBubble"}
+                "zero_bubble": "ScheduleInterleavedZeroBubble", "zero_bubble_h2": "coconet's lists"}
 V_INTERLEAVED = 2
 
 
@@ -262,6 +265,8 @@ def torch_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int
         got = build(1, [r], pp.Schedule1F1B)
     elif order == "interleaved":
         got = build(V_INTERLEAVED, [r + c * P for c in range(V_INTERLEAVED)], pp.ScheduleInterleaved1F1B)
+    elif order == "zero_bubble_h2":
+        got = build(1, [r], same_order(order, P, M))
     else:
         try:
             got = build(1, [r], pp.ScheduleInterleavedZeroBubble)
@@ -271,6 +276,25 @@ def torch_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int
             got = build(2, [r, 2 * P - 1 - r], pp.ScheduleZBVZeroBubble)
     got["note"] = note
     return got
+
+
+def same_order(order: str, P: int, M: int) -> Any:
+    """A torch schedule class that runs coconet's ORDER (one stage a rank) on torch's pipeline
+    runtime: each rank's actions as torch's compute actions (F; B as I, the input gradient, where
+    the order splits the backward; W), lowered by torch to its sends and receives."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+    o = make(order, P, M)
+    kinds = {"F": _ComputationType.FORWARD, "W": _ComputationType.BACKWARD_WEIGHT,
+             "B": _ComputationType.BACKWARD_INPUT if o.split_backward else _ComputationType.FULL_BACKWARD}
+
+    class SameOrder(_PipelineScheduleRuntime):
+        def __init__(self, stages: list[Any], n_microbatches: int, loss_fn: Any) -> None:
+            super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+            self.pipeline_order = {r: [_Action(o.stage(r, x.chunk), kinds[x.kind], x.microbatch) for x in acts]
+                                   for r, acts in enumerate(o.actions)}
+            self._prepare_schedule_with_comms(self.pipeline_order)
+    SameOrder.__name__ = f"_PipelineScheduleRuntime({order})"
+    return SameOrder
 
 
 def torch_step(tp: dict[str, Any], idx: Any, tgt: Any, live: list[int]) -> float | None:
@@ -525,7 +549,7 @@ def details(results: list[dict[str, Any]]) -> None:
     print("\nfirst-step losses (coconet / torch, relative difference; tolerance 1e-4):")
     for r in results:
         if "loss_rel_diff" in r:
-            print(f"  P={r['P']} M={r['M']} {r['order']:11s} {r['loss_coconet']:.6f} / {r['loss_torch']:.6f}  "
+            print(f"  P={r['P']} M={r['M']} {r['order']:14s} {r['loss_coconet']:.6f} / {r['loss_torch']:.6f}  "
                   f"{r['loss_rel_diff']:.1e} {'ok' if r['loss_match'] else 'MISMATCH'}")
     notes = {}
     for r in results:
@@ -537,7 +561,7 @@ def details(results: list[dict[str, Any]]) -> None:
     print("coconet's action times (median work, ms; receive waits taken out), the cost model's input:")
     for r in results:
         c = r["costs_s"]
-        print(f"  P={r['P']} M={r['M']} {r['order']:11s} F {c['F'] * 1e3:.2f}  B {c['B'] * 1e3:.2f}"
+        print(f"  P={r['P']} M={r['M']} {r['order']:14s} F {c['F'] * 1e3:.2f}  B {c['B'] * 1e3:.2f}"
               + (f"  W {c['W'] * 1e3:.2f}" if c["W"] else ""))
     for key, what in (("bubble_predicted", "orders.simulate, one cost a kind"),
                       ("bubble_predicted_per_stage", "each rank's own costs")):
@@ -552,7 +576,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, meta: dict[str,
           f"{a.heads} heads, T={a.seq}, B={a.batch}, vocabulary {a.vocab}; one rank a stage; median of {a.reps} "
           "(slowest rank); bubble: idle fraction of coconet's ranks, measured / simulated with its own action "
           "times; peak: the most micro-batches held by a rank x one micro-batch's saved bytes (max over ranks)")
-    head = (f"{'P':>2s} {'M':>2s} {'order':11s} {'coconet ms':>10s} {'torch ms':>9s} {'torch/cc':>8s} "
+    head = (f"{'P':>2s} {'M':>2s} {'order':14s} {'coconet ms':>10s} {'torch ms':>9s} {'torch/cc':>8s} "
             f"{'bubble':>7s} {'pred':>6s} {'pred/st':>7s} {'cc peak':>7s} {'cc MB':>7s} {'th peak':>7s} {'th MB':>7s}  torch schedule")
     if a.old_receives:
         head = head.replace(" torch ms", f" {'old ms':>8s} {'old/new':>7s} torch ms")
@@ -566,7 +590,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, meta: dict[str,
         if r.get("torch_error") and not r.get("torch_s"):
             sched += " (not run: see the notes)"
         old = f" {r['coconet_old_s'] * 1e3:8.1f} {r['old_over_new']:7.2f}" if "coconet_old_s" in r else ""
-        print(f"{r['P']:2d} {r['M']:2d} {r['order']:11s} {r['coconet_s'] * 1e3:10.1f}{old} {tms} {ratio} "
+        print(f"{r['P']:2d} {r['M']:2d} {r['order']:14s} {r['coconet_s'] * 1e3:10.1f}{old} {tms} {ratio} "
               f"{r['bubble_measured']:7.3f} {r['bubble_predicted']:6.3f} {r['bubble_predicted_per_stage']:7.3f} "
               f"{r['coconet_peak_microbatches_max']:7d} "
               f"{r['coconet_peak_bytes'] / 2**20:7.2f} {tpk} {tmb}  {sched}")

@@ -152,7 +152,7 @@ def test_a_stage_named_as_a_layers_of_no_repeat_is_no_repeat() -> None:
 DEEP = MODEL.replace("4, H, F", "8, H, F").replace("4, F, H", "8, F, H")
 
 
-@pytest.mark.parametrize("order", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+@pytest.mark.parametrize("order", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2"])
 @pytest.mark.parametrize("stages, ranks, microbatches, layers", [
     (1, 1, 1, None), (2, 1, 4, "[5, 3]"), (2, 2, 8, None), (3, 2, 3, "[1, 4, 3]"), (4, 1, 8, None),
     (4, 2, 4, "[1, 2, 3, 2]")])

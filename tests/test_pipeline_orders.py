@@ -35,7 +35,7 @@ def test_every_order_is_complete_and_runs(name: str, P: int, M: int, V: int) -> 
     order = make(name, P, M, V)
     check(order)
     assert (order.ranks, order.microbatches, order.chunks, order.stages) == (P, M, V, P * V)
-    assert order.split_backward == (name == "zero_bubble")
+    assert order.split_backward == (name in ("zero_bubble", "zero_bubble_h2"))
     kinds = "FBW" if order.split_backward else "FB"
     done = Counter((order.stage(r, a.chunk), a.microbatch, a.kind)
                    for r, acts in enumerate(order.actions) for a in acts)
@@ -66,6 +66,12 @@ def test_orders_as_the_references_write_them() -> None:
     assert make("zero_bubble", 2, 3).actions == (
         (F(0), F(1), B(0), W(0), F(2), B(1), W(1), B(2), W(2)),
         (F(0), B(0), F(1), B(1), W(0), F(2), B(2), W(1), W(2)))
+    # ZB-H2, P=2, M=4 (3 micro-batches held at most): rank 0 runs a third forward before its
+    # first B; W's run where the rank would wait (W0: the limit stops F3, B1 is not back yet)
+    # and at the end.
+    assert make("zero_bubble_h2", 2, 4).actions == (
+        (F(0), F(1), F(2), B(0), W(0), B(1), F(3), B(2), W(1), W(2), B(3), W(3)),
+        (F(0), B(0), F(1), B(1), F(2), B(2), W(0), F(3), B(3), W(1), W(2), W(3)))
     # Megatron's interleaved, P=2, M=4, V=2: rank 1 warms up with (V-1)P = 2 forwards, then
     # 1F1B over microbatch groups of P through chunk 0 then chunk 1 (backward: 1 then 0).
     assert make("interleaved", 2, 4, 2).actions[1] == (
@@ -128,6 +134,33 @@ def test_interleaved_and_zero_bubble_beat_1f1b(P: int, M: int) -> None:
     # ZB-H1's idle time (P-1)(F+B-W) per rank, M >= P.
     if M >= P:
         assert zb == Fraction(P - 1, 3 * M + P - 1)
+
+
+@pytest.mark.parametrize("P", range(1, 5))
+@pytest.mark.parametrize("M", range(1, 9))
+def test_zero_bubble_h2_trades_memory_for_the_bubble(P: int, M: int) -> None:
+    """ZB-H2 holds up to 2P - 1 micro-batches a rank and idles no longer than ZB-H1: as long
+    with F = B = W (both then idle only while the pipeline fills), less where B takes longer
+    than W (ZB-H1 idles (P-1)(F+B-W) a rank)."""
+    h2, h1 = make("zero_bubble_h2", P, M), make("zero_bubble", P, M)
+    unit = simulate(h2, UNIT)
+    assert bubble_exactly("zero_bubble_h2", P, M) == bubble_exactly("zero_bubble", P, M)
+    assert max(unit.peak_activations(r) for r in range(P)) <= min(2 * P - 1, M)
+    longer_b = Costs(forward=2, backward=5, input_grad=3, weight_grad=2)
+    assert simulate(h2, longer_b).bubble() <= simulate(h1, longer_b).bubble() + 1e-12
+    assert predicted_bubble("zero_bubble_h2", P, M, costs=longer_b) == simulate(h2, longer_b).bubble()
+
+
+def test_zero_bubble_h2_worked_by_hand() -> None:
+    # P=2, M=4, F=2, B=3, W=2 (1F1B's backward 5): 1F1B takes (M+P-1)(F+B+W) = 35, busy 28 a
+    # rank: bubble 1/5. ZB-H1 31: rank 0 waits 3 for B0 (F+B-W), rank 1 waits 2 at the start,
+    # 1 at the end: 6/62. ZB-H2 30: rank 0's F2 fills 2 of its wait; rank 1 waits 2 at the
+    # start, rank 0 waits 1 for B0 and 1 at the end: 4/60, a third of 1F1B's.
+    costs = Costs(forward=2, backward=5, input_grad=3, weight_grad=2)
+    one, h1, h2 = (simulate(make(name, 2, 4), costs) for name in ("1f1b", "zero_bubble", "zero_bubble_h2"))
+    assert (one.makespan, h1.makespan, h2.makespan) == (35, 31, 30)
+    assert (one.bubble(), h1.bubble(), h2.bubble()) == pytest.approx((1 / 5, 6 / 62, 4 / 60))
+    assert [h2.peak_activations(r) for r in range(2)] == [3, 3]
 
 
 @pytest.mark.parametrize("P", range(1, 5))
@@ -202,7 +235,7 @@ def test_check_refuses_other_malformed_orders() -> None:
 
 @pytest.mark.parametrize("args,message", [
     (("pipedream", 2, 4), "unknown pipeline order 'pipedream'; the orders are gpipe, 1f1b, "
-                          "interleaved, zero_bubble"),
+                          "interleaved, zero_bubble, zero_bubble_h2"),
     (("1f1b", 0, 4), "ranks=0: a pipeline needs at least one rank"),
     (("1f1b", 4, 0), r"microbatches=0: .* \(use microbatches=4 or more"),
     (("interleaved", 2, 4, 0), "chunks=0: each rank holds at least one model chunk"),

@@ -21,6 +21,13 @@ The orders (P ranks, M micro-batches, V model chunks per rank):
   without their W and every later step as F, B, W, so the r held-back W's fill the idle end
   of the pipeline. Every rank then holds at most P micro-batches' activations, 1F1B's peak
   (reached on its rank 0); the idle time falls from (P-1)(F+B+W) to (P-1)(F+B-W).
+- `zero_bubble_h2`: ZB-H2 (Qi et al. 2023), zero bubble for more memory: every rank may hold
+  up to 2P - 1 micro-batches' activations (from an F's start to its W's end), so the first
+  ranks run more forwards before their first B and every rank keeps W's back to fill the end
+  of the pipeline. Built by list scheduling with F = B = W (`_zb_h2`); what is left idle is
+  mostly the pipeline's start, rank r waiting r forwards, and the last micro-batch's B
+  travelling back. Not one of torch's single-stage schedules (bench/pipeline.py runs torch's
+  pipelining on these very action lists).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2")
+SPLIT = ("zero_bubble", "zero_bubble_h2")  # the orders that split each backward into B and W
 KINDS = ("F", "B", "W")
 
 
@@ -100,9 +108,11 @@ def make(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Order:
         lists = [_one_f_one_b(P, M, r) for r in range(P)]
     elif name == "interleaved":
         lists = [_interleaved(P, M, chunks, r) for r in range(P)]
-    else:
+    elif name == "zero_bubble":
         lists = [_zb_h1(P, M, r) for r in range(P)]
-    return Order(name, P, M, chunks, name == "zero_bubble", tuple(tuple(a) for a in lists))
+    else:
+        lists = _zb_h2(P, M)
+    return Order(name, P, M, chunks, name in SPLIT, tuple(tuple(a) for a in lists))
 
 
 def _check_arguments(name: str, ranks: int, microbatches: int, chunks: int) -> None:
@@ -171,6 +181,45 @@ def _zb_h1(P: int, M: int, rank: int) -> list[Action]:
         acts += [Action("B", m), Action("W", w)]
         w += 1
     return acts + [Action("W", m) for m in range(w, M)]
+
+
+def _zb_h2(P: int, M: int) -> list[list[Action]]:
+    """ZB-H2's lists, by list scheduling with F = B = W = 1 and 2P - 1 micro-batches held a rank
+    at most: the earliest action any rank can start goes next (ties: the lower rank); a rank
+    picks, of its next B (once the next stage's B of it has ended), its next F (once the
+    previous stage's has, if it holds fewer than 2P - 1) and its oldest W not run, the one that
+    can start first, B before F before W when they tie. So a W runs only where the rank would
+    otherwise wait, or where the limit stops its next F."""
+    limit = 2 * P - 1
+    acts: list[list[Action]] = [[] for _ in range(P)]
+    ends: dict[tuple[str, int, int], int] = {}  # (kind, rank, micro-batch) -> end
+    free = [0] * P
+    nf, nb, nw = [0] * P, [0] * P, [0] * P
+    for _ in range(3 * P * M):
+        best: tuple[int, int, int, str] | None = None  # (start, priority, rank, kind)
+        for r in range(P):
+            ready: list[tuple[int, int, str]] = []
+            if nb[r] < nf[r]:
+                need = ("F", r, nb[r]) if r == P - 1 else ("B", r + 1, nb[r])
+                if need in ends:
+                    ready.append((max(free[r], ends[need]), 0, "B"))
+            if nf[r] < M and nf[r] - nw[r] < limit:
+                if r == 0 or ("F", r - 1, nf[r]) in ends:
+                    ready.append((max(free[r], ends.get(("F", r - 1, nf[r]), 0)), 1, "F"))
+            if nw[r] < nb[r]:
+                ready.append((free[r], 2, "W"))
+            if ready:
+                start, prio, kind = min(ready)
+                if best is None or (start, r) < (best[0], best[2]):
+                    best = (start, prio, r, kind)
+        assert best is not None  # some rank can always go on: F, B and W of every micro-batch remain
+        start, _, r, kind = best
+        count = {"F": nf, "B": nb, "W": nw}[kind]
+        m = count[r]
+        count[r] += 1
+        free[r] = ends[(kind, r, m)] = start + 1
+        acts[r].append(Action(kind, m))
+    return acts
 
 
 # What an action waits for: (stage, microbatch, kind) keys.
@@ -381,7 +430,8 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
       chunk's F and B being 1/V of a whole stage's);
     - zero_bubble: ZB-H1's idle time (P-1)(F + B - W) per rank against M (F + B + W) busy,
       with F, B, W the forward, input_grad and weight_grad of `costs` ((P-1) / (3M + P-1) for
-      the defaults).
+      the defaults);
+    - zero_bubble_h2: no closed form (list-scheduled): the simulated bubble under `costs`.
 
     `simulate` is the source of truth: it can differ from these, most for interleaved with
     few micro-batches."""
@@ -393,6 +443,8 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
         f, b, w = costs.forward, costs.input_grad, costs.weight_grad
         idle = (P - 1) * max(0.0, f + b - w)
         return idle / (M * (f + b + w) + idle)
+    if name == "zero_bubble_h2":
+        return simulate(make(name, P, M), costs).bubble()
     return (P - 1) / (M + P - 1)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
+from coconetc.pipeline import orders
 from coconetc.schedule.pipeline import Pipeline
 from coconetc.schedule.prefetch import KeepGathered, Prefetch
 
@@ -160,7 +161,7 @@ def _pipeline(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg],
     if "order" in kws:
         v = kws["order"].value
         if not isinstance(v, syntax.String):
-            raise _err(v.span, 'pipeline()\'s order is a string: "gpipe", "1f1b", "interleaved" or "zero_bubble"')
+            raise _err(v.span, "pipeline()'s order is a string: " + ", ".join(f'"{o}"' for o in orders.ORDERS))
         order = v.text
     layers = None
     if "layers" in kws:
