@@ -103,6 +103,9 @@ def test_a_pipeline_schedule_is_checked_and_shows_its_timeline(tmp_path) -> None
     ('pipeline(stages=2, microbatches=4, order="pipedream")', '"pipedream"', "unknown"),
     ('pipeline(stages=2, microbatches=8, order="gpipe", max_activations=4)', "4)",
      "holds 8 micro-batches' activations at once on rank 0"),
+    ('pipeline(stages=2, microbatches=4, order="zero_bubble_h2", max_activations=2)', "2)",
+     "holds 3 micro-batches' activations at once on rank 0, over max_activations=2 (within it: order \"1f1b\", "
+     "order \"zero_bubble\" or microbatches=2)"),
     ("pipeline(stages=2)", "pipeline", "needs microbatches="),
     ("pipeline(stages=2, microbatches=4, order=gpipe)", "gpipe", "order is a string"),
     ("pipeline(w1, stages=2, microbatches=4)", "w1", "'w1' is not a repeat of model (its repeats: y)"),
@@ -117,6 +120,25 @@ def test_an_illegal_pipeline_schedule_is_refused_at_its_place(line: str, at: str
     d = err.value.diagnostics[0]
     assert says in d.message, d.message
     assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(line)) + 1, 5 + line.index(at)), d
+
+
+@pytest.mark.parametrize("line", ['pipeline(stages=2, microbatches=8, order="gpipe", max_activations=4)',
+                                  'pipeline(stages=4, microbatches=8, order="1f1b", max_activations=2)',
+                                  'pipeline(stages=2, microbatches=4, order="interleaved", max_activations=2)'])
+def test_what_max_activations_advises_keeps_to_it(line: str) -> None:
+    """Each order and micro-batch count the refusal names, written in its place, is accepted."""
+    import re
+
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    with pytest.raises(CompileError) as err:
+        load_source(_schedule(line))
+    advice = err.value.diagnostics[0].message.split("(within it: ")[1].rstrip(")")
+    choices = re.findall(r'order "(\w+)"|microbatches=(\d+)', advice)
+    assert choices
+    for order, m in choices:
+        fixed = re.sub(r'order="\w+"', f'order="{order}"', line) if order else re.sub(r"microbatches=\d+", f"microbatches={m}", line)
+        load_source(_schedule(fixed))
 
 
 @pytest.mark.parametrize("stage", ["y__l3__twice", "y__l9__twice", "y__l3__y"])

@@ -113,12 +113,37 @@ def cut(p: Program, d: Pipeline) -> Cut:
         if peak[worst] > d.max_activations:
             raise CompileError.at(d.at("max_activations="), f"pipeline(): order {d.order} holds {peak[worst]} "
                                   f"micro-batches' activations at once on rank {worst}, over max_activations="
-                                  f"{d.max_activations} (fewer micro-batches, or order \"1f1b\")")
+                                  f"{d.max_activations} ({_within(d)})")
     bounds, start = [], 0
     for k in sizes:
         bounds.append((start, start + k))
         start += k
     return Cut(name, order, tuple(bounds))
+
+
+def _peak(order: orders.Order) -> int:
+    t = orders.simulate(order)
+    return max(t.peak_activations(r) for r in range(order.ranks))
+
+
+def _within(d: Pipeline) -> str:
+    """What keeps to D's max_activations: the other one-chunk orders that do at its stages and
+    micro-batches, and the most micro-batches its own order does it with (M = 1 holds one)."""
+    assert d.max_activations is not None
+    fits = [f'order "{o}"' for o in orders.ORDERS if o not in (d.order, "interleaved")
+            and _peak(orders.make(o, d.stages, d.microbatches)) <= d.max_activations]
+    for m in range(d.microbatches - 1, 0, -1):
+        try:
+            within = _peak(orders.make(d.order, d.stages, m, d.chunks)) <= d.max_activations
+        except ValueError:  # (the interleaved order: micro-batches a multiple of the stages)
+            continue
+        if within:
+            return "within it: " + _either(fits + [f"microbatches={m}"])
+    return "within it: " + _either(fits) if fits else "no order keeps to it: a larger max_activations"
+
+
+def _either(choices: list[str]) -> str:
+    return choices[0] if len(choices) == 1 else ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
 def check(p: Program, d: Pipeline) -> Program:
