@@ -32,6 +32,7 @@ The orders (P ranks, M micro-batches, V model chunks per rank):
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -189,36 +190,46 @@ def _zb_h2(P: int, M: int) -> list[list[Action]]:
     picks, of its next B (once the next stage's B of it has ended), its next F (once the
     previous stage's has, if it holds fewer than 2P - 1) and its oldest W not run, the one that
     can start first, B before F before W when they tie. So a W runs only where the rank would
-    otherwise wait, or where the limit stops its next F."""
+    otherwise wait, or where the limit stops its next F. (A heap of each rank's choice; an
+    action changes only its own rank's and its two neighbours': O(P M log P).)"""
     limit = 2 * P - 1
     acts: list[list[Action]] = [[] for _ in range(P)]
     ends: dict[tuple[str, int, int], int] = {}  # (kind, rank, micro-batch) -> end
     free = [0] * P
     nf, nb, nw = [0] * P, [0] * P, [0] * P
-    for _ in range(3 * P * M):
-        best: tuple[int, int, int, str] | None = None  # (start, priority, rank, kind)
-        for r in range(P):
-            ready: list[tuple[int, int, str]] = []
-            if nb[r] < nf[r]:
-                need = ("F", r, nb[r]) if r == P - 1 else ("B", r + 1, nb[r])
-                if need in ends:
-                    ready.append((max(free[r], ends[need]), 0, "B"))
-            if nf[r] < M and nf[r] - nw[r] < limit:
-                if r == 0 or ("F", r - 1, nf[r]) in ends:
-                    ready.append((max(free[r], ends.get(("F", r - 1, nf[r]), 0)), 1, "F"))
-            if nw[r] < nb[r]:
-                ready.append((free[r], 2, "W"))
-            if ready:
-                start, prio, kind = min(ready)
-                if best is None or (start, r) < (best[0], best[2]):
-                    best = (start, prio, r, kind)
-        assert best is not None  # some rank can always go on: F, B and W of every micro-batch remain
-        start, _, r, kind = best
+    version = [0] * P
+    heap: list[tuple[int, int, int, str]] = []  # (start, rank, version, kind)
+
+    def choose(r: int) -> None:
+        ready: list[tuple[int, int, str]] = []
+        if nb[r] < nf[r]:
+            need = ("F", r, nb[r]) if r == P - 1 else ("B", r + 1, nb[r])
+            if need in ends:
+                ready.append((max(free[r], ends[need]), 0, "B"))
+        if nf[r] < M and nf[r] - nw[r] < limit and (r == 0 or ("F", r - 1, nf[r]) in ends):
+            ready.append((max(free[r], ends.get(("F", r - 1, nf[r]), 0)), 1, "F"))
+        if nw[r] < nb[r]:
+            ready.append((free[r], 2, "W"))
+        version[r] += 1
+        if ready:
+            start, _, kind = min(ready)
+            heapq.heappush(heap, (start, r, version[r], kind))
+
+    for r in range(P):
+        choose(r)
+    while heap:
+        start, r, v, kind = heapq.heappop(heap)
+        if v != version[r]:
+            continue  # (a choice made before the rank or a neighbour moved on)
         count = {"F": nf, "B": nb, "W": nw}[kind]
         m = count[r]
         count[r] += 1
         free[r] = ends[(kind, r, m)] = start + 1
         acts[r].append(Action(kind, m))
+        for q in (r - 1, r, r + 1):
+            if 0 <= q < P:
+                choose(q)
+    assert all(len(a) == 3 * M for a in acts)  # some rank can always go on until every action ran
     return acts
 
 
