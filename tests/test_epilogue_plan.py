@@ -187,6 +187,30 @@ def test_cpu_epilogue_over_blocks_of_rows_matches_the_interpreter(tmp_path):
     _run_blocks(tmp_path, BLOCKED)
 
 
+ACC = ("program q(x: f32[M, K] replicated, w: f32[K, N] replicated, a: f32[M, N] replicated) {\n"
+       "    d = matmul(x, w)\n    a1 = update(a, a + d)\n}\n")
+
+
+def test_a_product_added_into_its_parameter_in_place_is_one_gemm_with_beta_1(tmp_path):
+    """`update(a, a + matmul(x, w))` (a sum accumulated over calls, a gradient's): the residual
+    epilogue's loop writes a in place, so the CPU runs one GEMM with beta = 1 into a (gemm.h
+    matmul_acc), the product never written; compiled against the interpreter at three blocks'
+    worth of rows (coconetc run, 1 rank)."""
+    from coconetc.plan.epilogue import accumulates, fused_loop
+    plan = _plan(ACC, "q")
+    m = _matmul(plan, "d")
+    assert (str(m.epilogue), m.fused) == ("residual(a) -> a1", ("cpu", "cuda"))
+    buffers = {b.name: b for b in plan.buffers}
+    loop = fused_loop(plan.units, m)
+    assert loop is not None and accumulates(m, loop, buffers)
+    # not where the sum is a new value (returned, not an update of a)
+    other = _plan(ACC.replace("a1 = update(a, a + d)", "a1 = a + d\n    return a1"), "q")
+    om = _matmul(other, "d")
+    ol = fused_loop(other.units, om)
+    assert ol is not None and not accumulates(om, ol, {b.name: b for b in other.buffers})
+    _run_blocks(tmp_path, ACC)
+
+
 LN = ("program p(x: f32[M, H] replicated, gamma: f32[H] replicated, beta: f32[H] replicated) {\n"
       "    y = x + layernorm(x, gamma, beta, 1e-5)\n    return y\n}\n")
 

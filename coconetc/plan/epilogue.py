@@ -20,7 +20,9 @@ only read it:
 - cpu: a matmul whose right operand is 2-d (one GEMM over the rows of every leading dim of
   the left), the loop of at least 2 dims, writing no scattered parameter's segments and reading
   none: one blocked pass (codegen/cpu/loops.py render_epilogue), which writes the matmul's
-  result whole too (so an output result is fused there: gpt_block_fwd's saved hm);
+  result whole too (so an output result is fused there: gpt_block_fwd's saved hm); a
+  residual whose loop updates that parameter in place (`update(a, a + matmul(x, w))`,
+  accumulates) is one GEMM with beta = 1 into it instead;
 - cuda: the same matmuls in f32, f16 or bf16, with the epilogue bias, residual or scale by a
   literal or a scalar parameter (its value on the host): one cublasLtMatmul (cuda/blas.cuh
   matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale; where
@@ -153,6 +155,19 @@ def bgrad_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> int:
         if _touches(v, {db}) or _may_write(v, g):
             return -1
     return -1
+
+
+def accumulates(u: Library, loop: Loop, buffers: dict[str, Buffer]) -> bool:
+    """Whether U's residual epilogue adds the GEMM into its residual in place: the loop's value
+    is an update of the residual parameter computed in its memory (`a1 = update(a, a +
+    matmul(x, w))`, a sum accumulated over calls): the CPU then runs one GEMM with beta = 1 into
+    it (gemm.h matmul_acc), and neither the GEMM's result nor the loop is written."""
+    epi = u.epilogue
+    if epi is None or epi.kind != "residual" or u.op != "matmul" or loop.seg_dst \
+            or buffers[u.args[1]].type.ndim != 2:
+        return False
+    dst, acc = buffers[loop.items[0].name], buffers.get(epi.operand)
+    return dst.kind == "alias" and dst.of == epi.operand and acc is not None and acc.kind == "param"
 
 
 def fused_on(u: Library, epilogue: Epilogue, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:

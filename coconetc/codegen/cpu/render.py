@@ -25,7 +25,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.epilogue import fused_loop, residual_only
+from coconetc.plan.epilogue import accumulates, fused_loop, residual_only
 from coconetc.ir.rng_keys import site_key
 from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
                                  Reduce, Require, StartGather, Unit)
@@ -224,6 +224,13 @@ class CpuRenderer:
         if residual_only(u.op):  # residual(r): the call writes the loop's value, r added to each row
             self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.rowwise_args(self.w, u, loop))});  "
                         f"// {u.dst}, then {u.epilogue}")
+            self.fused_loop, self.fused_by = loop, u.op
+            return True
+        if accumulates(u, loop, {b.name: b for b in self.w.plan.buffers}):
+            assert u.epilogue is not None  # (C += the GEMM: beta = 1 into the updated parameter)
+            acc = [f"v_{u.epilogue.operand}" if a == f"v_{u.dst}" else a for a in library_calls.call_args(self.w, u)]
+            self.w.emit(f"coconet::{u.op}_acc<{ct}>({', '.join(acc)});  // {u.epilogue.value} = "
+                        f"{u.epilogue.operand} + {u.dst}, in place")
             self.fused_loop, self.fused_by = loop, u.op
             return True
         args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
