@@ -14,7 +14,7 @@ from pathlib import Path
 
 from coconetc import cache
 from coconetc.autodiff import vjp
-from coconetc.autodiff.saved import bwd_name, split, split_input_weight
+from coconetc.autodiff.saved import accumulating, bwd_name, split, split_input_weight
 from coconetc.errors import CompileError, Diagnostic
 from coconetc.frontend import syntax
 from coconetc.frontend import externs
@@ -219,7 +219,9 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     each with the schedules of p (of grad(p)) that apply to it unchanged. An entry
     `p:x1,x2` also cuts `<p>_bwd` at the gradients of p's parameters x1, x2 (the inputs a
     pipeline stage sends gradients back for): `<p>_bwd_input` and `<p>_bwd_weight`
-    (autodiff/saved.py, split_input_weight), with grad(p)'s schedules that apply. An entry
+    (autodiff/saved.py, split_input_weight), with grad(p)'s schedules that apply; `p:x1+acc`
+    also `<p>_bwd_acc` and `<p>_bwd_weight_acc`, which add the other tensor parameters'
+    gradients into accumulators in place (autodiff/saved.py accumulating). An entry
     `p@s:x` adds the virtual stages of schedule s's pipeline directive as programs
     (`<p>_<s>_stage<k>`: schedule/pipeline.py, stage_program), each derived and cut at the
     activation it receives (x, p's parameter, on stage 0)."""
@@ -229,17 +231,23 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     while todo:
         entry = todo.pop(0)
         if "@" in entry:  # the stages first added to new, then each derived as an entry of its own
-            todo[:0] = _pipeline_stages(new, entry)
+            entry, plus, acc = entry.partition("+")
+            todo[:0] = [e + plus + acc for e in _pipeline_stages(new, entry)]
             continue
         p, _, inputs = entry.partition(":")
+        inputs, _, acc = inputs.partition("+")
         new.program(p)  # a KeyError naming the file's programs
         grad = _derive(new, p)
         _split(new, p, grad)
         if inputs:
-            cut = split_input_weight(new.programs[p], new.programs[bwd_name(p)],
-                                     tuple(x.strip() for x in inputs.split(",")))
+            xs = tuple(x.strip() for x in inputs.split(","))
+            cut = split_input_weight(new.programs[p], new.programs[bwd_name(p)], xs)
             for ir in (cut.input_grad, cut.weight_grad):
                 _add_derived(new, ir, p, grad)
+            if acc.strip() == "acc":  # the backwards that add the weights' gradients into accumulators
+                weights = tuple(q.name for q in new.programs[p].params if not q.scalar and q.name not in xs)
+                for ir in (new.programs[bwd_name(p)], cut.weight_grad):
+                    _add_derived(new, accumulating(ir, weights), p, grad)
     return new
 
 

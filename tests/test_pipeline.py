@@ -170,6 +170,52 @@ def test_a_stage_named_as_a_layers_of_no_repeat_is_no_repeat() -> None:
     assert (c.repeat, c.layers) == ("y", ((0, 2), (2, 4)))
 
 
+def test_the_accumulating_backwards_add_the_weights_gradients_into_their_accumulators() -> None:
+    """`blk:x+acc` (what a pipeline Block builds): `blk_bwd_acc` and `blk_bwd_weight_acc` take
+    an accumulator per weight and add the weight's gradient into it in place, returning the
+    rest as `blk_bwd` and `blk_bwd_weight` do; under the interpreter on 2 ranks (w1, w2 sliced)
+    each accumulator ends as its start plus the gradient the plain backward returns, and the
+    weight gradients' GEMMs are one GEMM with beta = 1 into the accumulator on the CPU."""
+    import numpy as np
+
+    from coconetc.autodiff.saved import acc_name, accumulator, bwd_name, input_name, weight_name
+    from coconetc.interp.interpreter import run
+    from coconetc.ir.slices import take_slice
+    from coconetc.plan.epilogue import accumulates, fused_loop
+    from coconetc.plan.units import Library
+    from coconetc.sourcefile import load_source, with_grads
+    mod = with_grads(load_source(MODEL), ["blk:x+acc"])
+    rng = np.random.default_rng(1)
+    x, dy = rng.standard_normal((6, 4)), rng.standard_normal((6, 4))
+    w1, w2 = rng.standard_normal((4, 4)), rng.standard_normal((4, 4))
+    ranks = [{"x": x, "w1": np.ascontiguousarray(take_slice(w1, 1, 2, 2, r)),
+              "w2": np.ascontiguousarray(take_slice(w2, 0, 2, 2, r))} for r in range(2)]
+    fwd = run(mod.programs["blk_fwd"], ranks)
+    saved = [{k[len("saved_"):]: v for k, v in f.outputs.items() if k.startswith("saved_")} for f in fwd]
+    args = [{**a, **sv, "d_y": dy} for a, sv in zip(ranks, saved)]
+    start = [{accumulator(w): rng.standard_normal(a[w].shape) for w in ("w1", "w2")} for a in ranks]
+    plain = run(mod.programs[bwd_name("blk")], args)
+    acc = run(mod.programs[acc_name(bwd_name("blk"))], [{**a, **st} for a, st in zip(args, start)])
+    b = run(mod.programs[input_name("blk")], args)
+    kept = [{k[len("kept_"):]: v for k, v in r.outputs.items() if k.startswith("kept_")} for r in b]
+    wplain = run(mod.programs[weight_name("blk")], [{**a, **k} for a, k in zip(args, kept)])
+    wacc = run(mod.programs[acc_name(weight_name("blk"))], [{**a, **k, **st} for a, k, st in zip(args, kept, start)])
+    for r in range(2):
+        assert sorted(acc[r].outputs) == ["d_x"] and sorted(wacc[r].outputs) == []
+        np.testing.assert_allclose(acc[r].outputs["d_x"], plain[r].outputs["d_x"], rtol=1e-12)
+        for w in ("w1", "w2"):
+            for got, want in ((acc, plain), (wacc, wplain)):
+                np.testing.assert_allclose(got[r].updates[accumulator(w)], start[r][accumulator(w)]
+                                           + want[r].outputs[f"d_{w}"], rtol=1e-12, atol=1e-12)
+    plan = mod.plans[(acc_name(bwd_name("blk")), "default")]
+    buffers = {u.name: u for u in plan.buffers}
+    gemms = [u for u in plan.units if isinstance(u, Library) and u.op == "matmul_tn"]
+    assert len(gemms) == 2
+    for u in gemms:
+        loop = fused_loop(plan.units, u)
+        assert loop is not None and accumulates(u, loop, buffers) and u.fused == ("cpu",), u
+
+
 # --- proven equal: every order's gradients against the unpipelined derived program's --------------
 DEEP = MODEL.replace("4, H, F", "8, H, F").replace("4, F, H", "8, F, H")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from coconetc.autodiff.vjp import cotangent_params, live, recomputed
 from coconetc.ir.expr import Op, Ref, refs
 from coconetc.ir.gathers import weight_of
-from coconetc.ir.nodes import Param, Program
+from coconetc.ir.nodes import Param, Program, Stage
 
 
 @dataclass(frozen=True)
@@ -191,3 +191,42 @@ def split_input_weight(p: Program, bwd: Program, inputs: tuple[str, ...]) -> Inp
     w = replace(bwd, name=weight_name(p.name), stages=tuple(later), outputs=rest,
                 params=(*bwd.params, *(Param(v, bwd.stage_named(v).type) for v in kept)))
     return InputWeight(b, w, tuple(n for n, _ in ins + early), kept)
+
+
+ACC = "_acc"  # a backward that adds the weights' gradients into accumulators: <p>_bwd_acc, <p>_bwd_weight_acc
+
+
+def acc_name(backward: str) -> str:
+    return f"{backward}{ACC}"
+
+
+def accumulator(weight: str) -> str:
+    """The parameter of an accumulating backward that weight W's gradient is added into."""
+    return f"acc_{weight}"
+
+
+def accumulating(bwd: Program, weights: tuple[str, ...]) -> Program:
+    """BWD (a backward: `<p>_bwd` or `<p>_bwd_weight`) adding the gradient of each of WEIGHTS it
+    returns into a parameter of its own instead, in place: `acc_<w>` of the gradient's type,
+    `update(acc_<w>, acc_<w> + d_<w>)` right after the stage that computes it (so a weight
+    gradient that is one GEMM becomes one GEMM with beta = 1 into the accumulator on the CPU:
+    plan/epilogue.py accumulates). The gradients of micro-batches after the first add up in
+    `.grad` with no tensor of their own and no pass adding them (Megatron's gradient
+    accumulation fusion); its other outputs (an input's gradient) are returned as BWD's."""
+    outs = dict(bwd.outputs)
+    names = {st.name for st in bwd.stages}
+    grads = [outs[f"d_{w}"] for w in weights if f"d_{w}" in outs]
+    of = {outs[f"d_{w}"]: w for w in weights if f"d_{w}" in outs and outs[f"d_{w}"] in names
+          and grads.count(outs[f"d_{w}"]) == 1}
+    params, stages, updates = list(bwd.params), [], []
+    for st in bwd.stages:
+        stages.append(st)
+        w = of.get(st.name)
+        if w is not None:
+            t = st.type
+            acc = accumulator(w)
+            params.append(Param(acc, t))
+            stages.append(Stage(f"{st.name}{ACC}", Op("add", (Ref(acc, t), Ref(st.name, t)), t), st.span))
+            updates.append((acc, f"{st.name}{ACC}"))
+    return replace(bwd, name=acc_name(bwd.name), params=tuple(params), stages=tuple(stages),
+                   outputs=tuple(o for o in bwd.outputs if o[1] not in of), updates=tuple(updates))

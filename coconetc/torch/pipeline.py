@@ -14,7 +14,11 @@ head). A coconet layer runs the compiled programs directly: its forward `<p>_fwd
 saved values per micro-batch; its backward is `<p>_bwd`, or, in the zero-bubble order, the
 compiler's split of it at the input (autodiff/saved.py): `<p>_bwd_input` (B: the gradient the
 previous stage waits for) and `<p>_bwd_weight` (W: the weights' gradients, run later to fill
-the bubbles). The torch modules run under autograd; their weight gradients are made in B.
+the bubbles). From a step's second micro-batch on (each weight's `.grad` there), the backward
+is the accumulating cut `<p>_bwd_acc` (W: `<p>_bwd_weight_acc`), which adds the weights'
+gradients into their `.grad` in place (its weight-gradient GEMMs with beta = 1) instead of
+returning new tensors that are then added. The torch modules run under autograd; their weight
+gradients are made in B.
 
 Between stages each rank sends to the same rank of the next stage's tensor-parallel group
 (`comm` holds one rank of each stage: pipeline rank = stage). Where the block's input is
@@ -53,7 +57,8 @@ _AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the
 
 class Block:
     """The compiled programs of one `.ccn` block (PROGRAM of SOURCE) that a pipeline's layers
-    run: `<p>_fwd`, `<p>_bwd`, and its split at INPUT `<p>_bwd_input` / `<p>_bwd_weight`.
+    run: `<p>_fwd`, `<p>_bwd`, its split at INPUT `<p>_bwd_input` / `<p>_bwd_weight`, and the
+    accumulating `<p>_bwd_acc` / `<p>_bwd_weight_acc`.
     INPUT: the block's carried parameter (its activation in, of the output's shape and layout).
     comm: the stage's tensor-parallel group (every rank of it calls the block together).
     backend: "cpu", or "cuda" (CUDA tensors; with COCONET_CUDA_EMULATE=1 the host emulation,
@@ -62,14 +67,16 @@ class Block:
     def __init__(self, source: str | Path, program: str, *, comm: Any, input: str = "x",
                  schedule: str = "default", grad_schedule: str = "default", derive: str | None = None,
                  backend: str = "cpu"):
-        from coconetc.autodiff.saved import bwd_name, fwd_name, input_name, weight_name
+        from coconetc.autodiff.saved import acc_name, accumulator, bwd_name, fwd_name, input_name, weight_name
         self.source, self.program, self.input, self.comm = source, program, input, comm
         self.schedule, self.grad_schedule = schedule, grad_schedule
         # the module's derived programs (coconetc.load's grad=): the block's, cut at its input;
         # a pipeline schedule's stages are derived from their model program (from_schedule)
         if backend not in ("cpu", "cuda"):
             raise ValueError(f"Block: backend must be 'cpu' or 'cuda', got {backend!r}")
-        mod = load(source, (derive or f"{program}:{input}",), "coconetc.torch.pipeline.Block", backend=backend)
+        # (+acc: the backwards that add the weights' gradients into their .grad in place)
+        mod = load(source, ((derive or f"{program}:{input}") + "+acc",), "coconetc.torch.pipeline.Block",
+                   backend=backend)
         # what the module's calls communicate on (NCCL from COMM for the CUDA backend; under
         # COCONET_CUDA_EMULATE=1 the emulation, on CPU tensors)
         self.call_comm = mod.backend.communicator(mod, comm)
@@ -77,6 +84,8 @@ class Block:
         self.bwd = mod.programs[bwd_name(program)]
         self.bwd_input = mod.programs[input_name(program)]
         self.bwd_weight = mod.programs[weight_name(program)]
+        self.bwd_acc = mod.programs[acc_name(bwd_name(program))]
+        self.bwd_weight_acc = mod.programs[acc_name(weight_name(program))]
         # each function's schedule and the names of its outputs, by function (a call's results)
         self._results: dict[str, tuple[str, list[str]]] = {}
         p = self.fwd.program_of(parse(self._sched(self.fwd, schedule)))
@@ -92,6 +101,10 @@ class Block:
         self.replicated = q.type.layout.kind == "replicated"
         self.scalars = [q.name for q in p.params if q.scalar]
         self.weights = [n for n in self.params if n != input and n not in self.scalars]
+        # the weights whose gradients the accumulating backwards add into (accumulator(w): w's .grad)
+        self.accumulated = {
+            fn.name: [w for w in self.weights if accumulator(w) in {q.name for q in fn.program_of(parse("default")).params}]
+            for fn in (self.bwd_acc, self.bwd_weight_acc)}
 
     @staticmethod
     def _sched(fn: Any, schedule: str) -> str:
@@ -145,11 +158,31 @@ class Layer:
         b = self.block
         return {**self._args(), **self.saved[m], f"d_{b.output}": dy.contiguous()}
 
+    def _into(self, fn: Any) -> dict[str, torch.Tensor] | None:
+        """The accumulators of FN (an accumulating backward): each weight's .grad, where every
+        weight it adds into has one like the weight (after a first micro-batch); else None."""
+        from coconetc.autodiff.saved import accumulator
+        out = {}
+        for w in self.block.accumulated[fn.name]:
+            t = self.params[w]
+            g = t.grad
+            if g is None or g.dtype != t.dtype or g.device != t.device or g.shape != t.shape \
+                    or not g.is_contiguous():
+                return None
+            out[accumulator(w)] = g
+        return out
+
     def backward(self, m: int, dy: torch.Tensor, split: bool) -> torch.Tensor:
-        """The input's gradient; the weights' too unless SPLIT (then weight() makes them)."""
+        """The input's gradient; the weights' too unless SPLIT (then weight() makes them): the
+        first micro-batch's taken as the weights' .grad, the later ones' added into it by the
+        compiled backward itself (its accumulating cut: no new tensors, no pass adding them)."""
         b = self.block
         if not split:
-            out = b.call(b.bwd, b.grad_schedule, **self._bwd_args(m, dy))
+            into = self._into(b.bwd_acc)
+            if into is not None:
+                out = b.call(b.bwd_acc, b.grad_schedule, **self._bwd_args(m, dy), **into)
+            else:
+                out = b.call(b.bwd, b.grad_schedule, **self._bwd_args(m, dy))
             self.saved.pop(m)
             self._accumulate(out)
             return out[f"d_{b.input}"]
@@ -162,7 +195,12 @@ class Layer:
     def weight(self, m: int) -> None:
         b = self.block
         kept = self.kept.pop(m)
-        out = b.call(b.bwd_weight, b.grad_schedule, **self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept)
+        args = {**self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept}
+        into = self._into(b.bwd_weight_acc)
+        if into is not None:
+            out = b.call(b.bwd_weight_acc, b.grad_schedule, **args, **into)
+        else:
+            out = b.call(b.bwd_weight, b.grad_schedule, **args)
         self.saved.pop(m)
         self._accumulate(out)
 

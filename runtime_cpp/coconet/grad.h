@@ -41,6 +41,12 @@ template <class T>
 void matmul_tn(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N) {
   gemm_trans(true, false, K, N, M, A, K, B, N, C, N);
 }
+// C[K, N] += A[M, K]^T x B[M, N]: a weight's gradient added into its accumulator in place
+// (`update(acc, acc + d_w)`, an accumulating backward: autodiff/saved.py, plan/epilogue.py).
+template <class T>
+void matmul_tn_acc(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N) {
+  gemm_trans(true, false, K, N, M, A, K, B, N, C, N, true);
+}
 
 // out[j] = sum over i of x[i, j] (x: outer x inner).
 template <class T>
