@@ -22,8 +22,8 @@ only read it:
   none: one blocked pass (codegen/cpu/loops.py render_epilogue), which writes the matmul's
   result whole too (so an output result is fused there: gpt_block_fwd's saved hm); a
   residual whose loop updates that parameter in place (`update(a, a + matmul(x, w))`,
-  accumulates) is one GEMM with beta = 1 into it instead, and so is a matmul_tn's or
-  matmul_nt's (an accumulating backward's weight gradient, autodiff/saved.py accumulating);
+  accumulates) is one GEMM with beta = 1 into it instead, and so is a matmul_tn's (an
+  accumulating backward's weight gradient, autodiff/saved.py accumulating);
 - cuda: the same matmuls in f32, f16 or bf16, with the epilogue bias, residual or scale by a
   literal or a scalar parameter (its value on the host): one cublasLtMatmul (cuda/blas.cuh
   matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale; where
@@ -162,10 +162,10 @@ def accumulates(u: Library, loop: Loop, buffers: dict[str, Buffer]) -> bool:
     """Whether U's residual epilogue adds the GEMM into its residual in place: the loop's value
     is an update of the residual parameter computed in its memory (`a1 = update(a, a +
     matmul(x, w))`, a sum accumulated over calls): the CPU then runs one GEMM with beta = 1 into
-    it (gemm.h matmul_acc, grad.h matmul_tn_acc and matmul_nt_acc: an accumulating backward's
-    weight gradients), and neither the GEMM's result nor the loop is written."""
+    it (gemm.h matmul_acc; grad.h matmul_tn_acc, an accumulating backward's weight
+    gradients), and neither the GEMM's result nor the loop is written."""
     epi = u.epilogue
-    if epi is None or epi.kind != "residual" or u.op not in ("matmul", "matmul_tn", "matmul_nt") \
+    if epi is None or epi.kind != "residual" or u.op not in ("matmul", "matmul_tn") \
             or loop.seg_dst or (u.op == "matmul" and buffers[u.args[1]].type.ndim != 2):
         return False
     dst, acc = buffers[loop.items[0].name], buffers.get(epi.operand)
@@ -175,7 +175,7 @@ def accumulates(u: Library, loop: Loop, buffers: dict[str, Buffer]) -> bool:
 def fused_on(u: Library, epilogue: Epilogue, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:
     """The backends (BACKENDS) that apply EPILOGUE, the epilogue of matmul U, in its GEMM (the
     rule in the module's docstring); LOOP: the loop after U."""
-    if u.op != "matmul" and accumulates(replace(u, epilogue=epilogue), loop, buffers):
+    if u.op == "matmul_tn" and accumulates(replace(u, epilogue=epilogue), loop, buffers):
         return ("cpu",)  # (CUDA: the GEMM, then the loop)
     if residual_only(u.op):
         item = loop.items[0]
