@@ -22,6 +22,7 @@ grad(p) are applied to them again: their stage names are p's and g's)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from coconetc.autodiff.vjp import cotangent_params, live, recomputed
@@ -215,9 +216,9 @@ def accumulating(bwd: Program, weights: tuple[str, ...]) -> Program:
     accumulation fusion); its other outputs (an input's gradient) are returned as BWD's."""
     outs = dict(bwd.outputs)
     names = {st.name for st in bwd.stages}
-    grads = [outs[f"d_{w}"] for w in weights if f"d_{w}" in outs]
-    of = {outs[f"d_{w}"]: w for w in weights if f"d_{w}" in outs and outs[f"d_{w}"] in names
-          and grads.count(outs[f"d_{w}"]) == 1}
+    stage_of = {w: outs[f"d_{w}"] for w in weights if outs.get(f"d_{w}") in names}
+    shared = Counter(stage_of.values())  # (a stage that is two weights' gradient: returned as it is)
+    of = {st: w for w, st in stage_of.items() if shared[st] == 1}
     params, stages, updates = list(bwd.params), [], []
     for st in bwd.stages:
         stages.append(st)

@@ -101,10 +101,11 @@ class Block:
         self.replicated = q.type.layout.kind == "replicated"
         self.scalars = [q.name for q in p.params if q.scalar]
         self.weights = [n for n in self.params if n != input and n not in self.scalars]
-        # the weights whose gradients the accumulating backwards add into (accumulator(w): w's .grad)
-        self.accumulated = {
-            fn.name: [w for w in self.weights if accumulator(w) in {q.name for q in fn.program_of(parse("default")).params}]
-            for fn in (self.bwd_acc, self.bwd_weight_acc)}
+        # by accumulating backward, the weights whose gradients it adds into: weight -> its
+        # accumulator parameter (the weight's .grad is passed there)
+        self.accumulated = {fn.name: {w: accumulator(w) for w in self.weights
+                                      if accumulator(w) in {q.name for q in fn.program_of(parse("default")).params}}
+                            for fn in (self.bwd_acc, self.bwd_weight_acc)}
 
     @staticmethod
     def _sched(fn: Any, schedule: str) -> str:
@@ -161,16 +162,24 @@ class Layer:
     def _into(self, fn: Any) -> dict[str, torch.Tensor] | None:
         """The accumulators of FN (an accumulating backward): each weight's .grad, where every
         weight it adds into has one like the weight (after a first micro-batch); else None."""
-        from coconetc.autodiff.saved import accumulator
         out = {}
-        for w in self.block.accumulated[fn.name]:
+        for w, acc in self.block.accumulated[fn.name].items():
             t = self.params[w]
             g = t.grad
             if g is None or g.dtype != t.dtype or g.device != t.device or g.shape != t.shape \
                     or not g.is_contiguous():
                 return None
-            out[accumulator(w)] = g
+            out[acc] = g
         return out
+
+    def _call_backward(self, plain: Any, acc: Any, args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """PLAIN (a backward returning the weights' gradients), or its accumulating cut ACC with
+        each weight's .grad as the accumulator where every one has a .grad to add into."""
+        b = self.block
+        into = self._into(acc)
+        if into is None:
+            return b.call(plain, b.grad_schedule, **args)
+        return b.call(acc, b.grad_schedule, **args, **into)
 
     def backward(self, m: int, dy: torch.Tensor, split: bool) -> torch.Tensor:
         """The input's gradient; the weights' too unless SPLIT (then weight() makes them): the
@@ -178,11 +187,7 @@ class Layer:
         compiled backward itself (its accumulating cut: no new tensors, no pass adding them)."""
         b = self.block
         if not split:
-            into = self._into(b.bwd_acc)
-            if into is not None:
-                out = b.call(b.bwd_acc, b.grad_schedule, **self._bwd_args(m, dy), **into)
-            else:
-                out = b.call(b.bwd, b.grad_schedule, **self._bwd_args(m, dy))
+            out = self._call_backward(b.bwd, b.bwd_acc, self._bwd_args(m, dy))
             self.saved.pop(m)
             self._accumulate(out)
             return out[f"d_{b.input}"]
@@ -195,12 +200,8 @@ class Layer:
     def weight(self, m: int) -> None:
         b = self.block
         kept = self.kept.pop(m)
-        args = {**self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept}
-        into = self._into(b.bwd_weight_acc)
-        if into is not None:
-            out = b.call(b.bwd_weight_acc, b.grad_schedule, **args, **into)
-        else:
-            out = b.call(b.bwd_weight, b.grad_schedule, **args)
+        out = self._call_backward(b.bwd_weight, b.bwd_weight_acc,
+                                  {**self._bwd_args(m, kept.pop(f"d_{b.output}")), **kept})
         self.saved.pop(m)
         self._accumulate(out)
 
