@@ -235,7 +235,13 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
             todo[:0] = [e + plus + acc for e in _pipeline_stages(new, entry)]
             continue
         p, _, inputs = entry.partition(":")
-        inputs, _, acc = inputs.partition("+")
+        inputs, plus, acc = inputs.partition("+")
+        if "+" in p or (plus and not inputs.strip()):
+            raise ValueError(f"grad entry {entry!r}: '+acc' follows the inputs the backward is cut at "
+                             f"('{p.partition('+')[0]}:x+acc', x the input a stage sends back the gradient of)")
+        if plus and acc.strip() != "acc":
+            raise ValueError(f"grad entry {entry!r}: after '+' only 'acc' (the accumulating backwards), "
+                             f"got {acc.strip()!r}")
         new.program(p)  # a KeyError naming the file's programs
         grad = _derive(new, p)
         _split(new, p, grad)
@@ -244,7 +250,7 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
             cut = split_input_weight(new.programs[p], new.programs[bwd_name(p)], xs)
             for ir in (cut.input_grad, cut.weight_grad):
                 _add_derived(new, ir, p, grad)
-            if acc.strip() == "acc":  # the backwards that add the weights' gradients into accumulators
+            if plus:  # the backwards that add the weights' gradients into accumulators
                 weights = tuple(q.name for q in new.programs[p].params if not q.scalar and q.name not in xs)
                 for ir in (new.programs[bwd_name(p)], cut.weight_grad):
                     _add_derived(new, accumulating(ir, weights), p, grad)

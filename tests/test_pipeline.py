@@ -214,6 +214,10 @@ def test_the_accumulating_backwards_add_the_weights_gradients_into_their_accumul
     for u in gemms:
         loop = fused_loop(plan.units, u)
         assert loop is not None and accumulates(u, loop, buffers) and u.fused == ("cpu",), u
+    # a misspelt suffix, or one with no input to cut at, is refused (not a plain backward)
+    for entry, says in (("blk:x+acx", "only 'acc'"), ("blk+acc", r"'blk:x\+acc'"), ("blk:+acc", r"'blk:x\+acc'")):
+        with pytest.raises(ValueError, match=says):
+            with_grads(load_source(MODEL), [entry])
 
 
 # --- proven equal: every order's gradients against the unpipelined derived program's --------------
