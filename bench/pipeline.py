@@ -28,8 +28,11 @@ Per (P, M, order):
     times of coconet's own events (one cost per kind for every stage: the first stage's
     embeddings and the last stage's head and loss are averaged in; transfers cost 0); and
     "pred/st", the same simulation with each rank's own median F, B, W (the stages' imbalance
-    in: what is left between it and the measured bubble is waiting the model does not know of,
-    messages and the cores' sharing);
+    in); and, in the lines after the table, each step replayed: the simulation with every
+    action's own measured work (what is left between it and the measured bubble is waiting no
+    action's time explains: messages, the cores' sharing; what is between it and "pred/st",
+    the actions' spread around their medians, such as a step's first micro-batch, whose
+    backward returns new gradients rather than adding into .grad);
   * peak activations per rank: coconet: Timeline.peak_activations of the measured timeline
     (micro-batches held, per chunk) x the bytes of one micro-batch's Layer.saved values on the
     rank's chunk (the coconet layers only: the torch embeddings/head graph not counted; under
@@ -509,6 +512,12 @@ class Case:
             t = {k: per_med.get((r, c, k), 0.0) for k in "FBW"}
             stage_costs.append(orders.Costs(forward=t["F"], backward=t["B"], input_grad=t["B"], weight_grad=t["W"]))
         res["bubble_predicted_per_stage"] = orders.simulate(o, stage_costs).bubble()
+        # each step replayed: the order's dependencies with each action's own work (what is left
+        # between this and the measured bubble: waiting that no action's time explains)
+        res["bubble_replayed"] = statistics.median(
+            orders.simulate(o, stage_costs, times={(r, orders.Action(e[0], e[1], e[2])): e[5]
+                                                   for r, rank_evs in enumerate(evs) for e in rank_evs}).bubble()
+            for evs in events)
         res["bubble_textbook"] = orders.predicted_bubble(order, P, M, o.chunks,
                                                          orders.Costs(med["F"], med["B"], med["B"], med["W"]))
         # peak activations on the measured timeline of the last step
@@ -564,7 +573,8 @@ def details(results: list[dict[str, Any]]) -> None:
         print(f"  P={r['P']} M={r['M']} {r['order']:14s} F {c['F'] * 1e3:.2f}  B {c['B'] * 1e3:.2f}"
               + (f"  W {c['W'] * 1e3:.2f}" if c["W"] else ""))
     for key, what in (("bubble_predicted", "orders.simulate, one cost a kind"),
-                      ("bubble_predicted_per_stage", "each rank's own costs")):
+                      ("bubble_predicted_per_stage", "each rank's own costs"),
+                      ("bubble_replayed", "each step replayed with each action's own time")):
         gaps = [abs(r["bubble_measured"] - r[key]) / max(r[key], 1e-9) for r in results]
         if gaps:
             print(f"measured against predicted bubble ({what}): largest difference {max(gaps):.0%} of the "

@@ -301,3 +301,9 @@ def test_simulate_takes_each_stages_costs() -> None:
     assert simulate(o, [c, Costs(2, 4, 2, 2, 0)]).makespan == 27
     with pytest.raises(ValueError, match="3 stages' costs for an order of 2 virtual stages"):
         simulate(o, [c, c, c])
+    # one action's own time (a measured step replayed): rank 1's B0 takes 6 (2-8), so rank 0's
+    # B0 waits for it (8-10) and the rest follow: rank 0's F2 10-11, B1 11-13 (rank 1's B1 ends
+    # at 11), F3 13-14, B2 14-16; rank 1's B3 15-17, then rank 0's 17-19
+    t = simulate(o, c, times={(1, Action("B", 0)): 6})
+    assert t.makespan == 19 and [(x.start, x.end) for x in t.slots if x.rank == 0][2:] == \
+        [(8, 10), (10, 11), (11, 13), (13, 14), (14, 16), (17, 19)]

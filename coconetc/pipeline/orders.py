@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2")
@@ -258,7 +258,7 @@ def check(order: Order) -> None:
     (stage, micro-batch, kind) exactly once, on the rank that holds the stage, and the lists
     run to the end under the runtime's rules without deadlock."""
     _check_shape(order)
-    _run(order, Costs())
+    _run(order, Costs(), {})
 
 
 def _check_shape(order: Order) -> None:
@@ -369,19 +369,22 @@ class Timeline:
         return peak
 
 
-def simulate(order: Order, costs: Costs | Sequence[Costs] = Costs()) -> Timeline:
+def simulate(order: Order, costs: Costs | Sequence[Costs] = Costs(),
+             times: Mapping[tuple[int, Action], float] | None = None) -> Timeline:
     """The timeline of a checked order under `costs`: one Costs for every stage, or one per
     virtual stage (stage order; a stage with more layers, or the embeddings or the head, takes
-    longer). ValueError as `check` for a bad one."""
+    longer). TIMES: (rank, action) -> that one action's time, in place of its stage's cost (a
+    measured step replayed: what its dependencies alone make of its actions' own times).
+    ValueError as `check` for a bad one."""
     _check_shape(order)
     if not isinstance(costs, Costs) and len(costs) != order.stages:
         raise ValueError(f"simulate: {len(costs)} stages' costs for an order of {order.stages} virtual stages")
-    slots = _run(order, costs)
+    slots = _run(order, costs, times or {})
     return Timeline(order, tuple(sorted(slots, key=lambda s: (s.rank, s.start))),
                     max((s.end for s in slots), default=0.0))
 
 
-def _run(order: Order, costs: Costs | Sequence[Costs]) -> list[Slot]:
+def _run(order: Order, costs: Costs | Sequence[Costs], times: Mapping[tuple[int, Action], float]) -> list[Slot]:
     """Run every rank's list in order: an action starts once its rank is free and what it needs
     has ended (plus `transfer` from another rank). Raises ValueError on a deadlock."""
     ends: dict[Key, float] = {}
@@ -403,7 +406,8 @@ def _run(order: Order, costs: Costs | Sequence[Costs]) -> list[Slot]:
                 c = costs if isinstance(costs, Costs) else costs[key[0]]
                 start = max([free[rank]] + [ends[n] + (c.transfer if owner[n] != rank else 0)
                                             for n in needs])
-                end = start + c.of(a.kind, order.split_backward)
+                t = times.get((rank, a))
+                end = start + (c.of(a.kind, order.split_backward) if t is None else t)
                 ends[key] = free[rank] = end
                 slots.append(Slot(rank, a, key[0], start, end))
                 nxt[rank] += 1
