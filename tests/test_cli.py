@@ -568,6 +568,23 @@ def test_launch_command_line_names_the_hosts(tmp_path: Path) -> None:
     assert "-n" in cmd and cmd[cmd.index("-n") + 1] == "16"
 
 
+def test_a_rank_knows_when_its_machine_has_more_ranks_than_cores(monkeypatch) -> None:
+    """oversubscribed(): the launcher's count of this machine's ranks (Open MPI's or MPICH's
+    variable) against the cores; no count, no oversubscription (a pipeline's waiting ranks then
+    sleep between polls: coconetc.torch.pipeline)."""
+    from coconetc.launch import mpiexec
+    monkeypatch.setattr(mpiexec.os, "cpu_count", lambda: 2)
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert not mpiexec.oversubscribed()
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.setenv(var, "2")
+        assert not mpiexec.oversubscribed()
+        monkeypatch.setenv(var, "3")
+        assert mpiexec.oversubscribed()
+        monkeypatch.delenv(var)
+
+
 def test_launch_passes_the_hosts_on(tmp_path: Path, monkeypatch) -> None:
     """coconetc launch --hostfile F --host H: run_python gets them (and the script's own
     arguments stay the script's); a missing hostfile or an empty host name is a clean error."""

@@ -77,12 +77,26 @@ def environment(ranks: int, local: bool = True, segments: bool = True) -> dict[s
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
         env.setdefault("OMPI_MCA_osc", "^ucx")  # see coconetc.runtime.hooks.quiet_osc_ucx
-        if local and ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
+        if local and more_than_cores(ranks):  # waiting ranks must yield
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         if local:
             for k, v in ONE_MACHINE.items():
                 env.setdefault(k, v)
     return env
+
+
+def more_than_cores(ranks: int) -> bool:
+    """Whether RANKS ranks on this machine outnumber its cores: then a rank that waits must
+    leave its core to a rank that computes."""
+    return ranks > (os.cpu_count() or 1)
+
+
+def oversubscribed() -> bool:
+    """Whether this rank's job runs more ranks on this machine than it has cores, as the
+    launcher told the rank (Open MPI: OMPI_COMM_WORLD_LOCAL_SIZE; MPICH: MPI_LOCALNRANKS);
+    False where neither says."""
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
+    return local is not None and local.isdigit() and more_than_cores(int(local))
 
 
 def run_python(ranks: int, args: list[str], timeout: float | None = None, hostfile: str | None = None,

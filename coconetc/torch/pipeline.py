@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coconetc.launch.mpiexec import oversubscribed
 from coconetc.pipeline import orders as _orders
 from coconetc.plan.label import parse
 from coconetc.torch.params import load
@@ -52,6 +53,7 @@ F, B, W = "F", "B", "W"
 _HEADER = 10  # int64s: the dtype's index in _DTYPES, ndim, then up to 8 dims
 _DTYPES = (np.float32, np.float64, np.float16)
 _KINDS = {F: 0, B: 1}
+_NAP = 5e-5  # s between a waiting rank's polls where ranks outnumber cores (Pipeline._wait)
 _AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the one waited for
 
 
@@ -278,6 +280,9 @@ class Pipeline:
         self._seen: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
         self._todo: dict[str, list[tuple[str, int, int, int]]] = {}
         self._posted: dict[tuple[str, int, int], tuple[Any, np.ndarray]] = {}
+        # more ranks than cores on this machine: a rank waiting for a message sleeps between
+        # polls, leaving its core to a rank that computes (MPI's wait spins, yielding at most)
+        self._nap = _NAP if oversubscribed() else 0.0
 
     def _checked(self, order: str | _orders.Order) -> _orders.Order:
         M, V = self.microbatches, len(self.chunks)
@@ -399,19 +404,29 @@ class Pipeline:
             self._todo[kind].pop(0)
         self._post(kind)
         if posted is not None:
-            posted[0].Wait()
+            self._wait([posted[0]])
             a = posted[1]
         else:
             tag = self._tag(kind, m, stage)
             head = np.empty(_HEADER, np.int64)
-            self.comm.Recv(head, source=frm, tag=tag)
+            self._wait([self.comm.Irecv(head, source=frm, tag=tag)])
             a = np.empty(tuple(int(d) for d in head[2:2 + head[1]]), dtype=_DTYPES[head[0]])
-            self.comm.Recv(a, source=frm, tag=tag + 1)
+            self._wait([self.comm.Irecv(a, source=frm, tag=tag + 1)])
             self._seen[(kind, stage)] = (a.dtype.type, a.shape)
         if sliced:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
         return torch.from_numpy(a).to(self._device)
+
+    def _wait(self, reqs: list[Any]) -> None:
+        """Until REQS are done: MPI's wait, or, on a machine with more ranks than cores, polls
+        with a nap of _NAP s between them."""
+        from mpi4py import MPI
+        if not self._nap:
+            MPI.Request.Waitall(reqs)
+            return
+        while not MPI.Request.Testall(reqs):
+            time.sleep(self._nap)
 
     def _progress(self) -> None:
         """Let MPI move the messages in flight (it moves them only inside its calls): between
@@ -429,7 +444,6 @@ class Pipeline:
         parameter's gradient of the batch's mean loss in `.grad` (added to what is there, as
         torch's backward does); returns the mean loss on the last stage's ranks, None elsewhere.
         `events` holds what ran when."""
-        from mpi4py import MPI
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
         (self._xs, self._ts), told = self._agree(
@@ -458,7 +472,7 @@ class Pipeline:
                     layer.weight(act.microbatch)
             self.events.append(Event(act.kind, act.microbatch, act.chunk, start, time.perf_counter() - t0))
             self._progress()
-        MPI.Request.Waitall(self._pending)
+        self._wait(self._pending)
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
         return sum(self._losses) / M if self.rank == last else None
