@@ -400,11 +400,13 @@ def _run(ext: Any, run: Any, args: Any, fast: RecentCall, hot: Hot, vals: list, 
             shapes = fast.out_shapes = (fast.sizes, tuple((local_shape(t, fast.sizes, gs, rank), dt)
                                                           for t, dt in types))
         outs = [np.empty(shape, dtype=dt) for shape, dt in shapes[1]]
-        args.outputs = [o.ctypes.data for o in outs]
+        if hot.torch_out:  # the tensors' addresses (a tensor's data_ptr: a tenth of ndarray.ctypes.data's time)
+            outs = [as_torch(o) for o in outs]
+            args.outputs = [o.data_ptr() for o in outs]
+        else:
+            args.outputs = [o.ctypes.data for o in outs]
     batch.invoke(ext, run, args)
     if hot.torch_updated:
         import torch
         torch.autograd.graph.increment_version([kwargs[n] for n in hot.torch_updated])
-    if outs and hot.torch_out:
-        outs = [as_torch(o) for o in outs]
     return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
