@@ -392,7 +392,7 @@ def _run(ext: Any, run: Any, args: Any, fast: RecentCall, hot: Hot, vals: list, 
     else:
         args.scalars = [0.0 if i else float(v) for v, (_, i) in zip(vals, hot.scalars)]
         args.iscalars = [int(v) if i else 0 for v, (_, i) in zip(vals, hot.scalars)]
-    outs = None
+    outs: list[Any] | None = None
     if hot.outputs:
         shapes = fast.out_shapes
         if shapes is None or shapes[0] is not fast.sizes:  # once per agreement of its sizes

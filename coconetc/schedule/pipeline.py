@@ -107,8 +107,7 @@ def cut(p: Program, d: Pipeline) -> Cut:
             "microbatches=" if "microbatch" in str(err) else "chunks="
         raise CompileError.at(d.at(key), f"pipeline(): {err}") from None
     if d.max_activations is not None:
-        t = orders.simulate(order)
-        peak = [t.peak_activations(r) for r in range(d.stages)]
+        peak = _peaks(order)
         worst = max(range(d.stages), key=lambda r: peak[r])
         if peak[worst] > d.max_activations:
             raise CompileError.at(d.at("max_activations="), f"pipeline(): order {d.order} holds {peak[worst]} "
@@ -121,9 +120,10 @@ def cut(p: Program, d: Pipeline) -> Cut:
     return Cut(name, order, tuple(bounds))
 
 
-def _peak(order: orders.Order) -> int:
+def _peaks(order: orders.Order) -> list[int]:
+    """Each rank's most micro-batches held at once, ORDER simulated at unit costs."""
     t = orders.simulate(order)
-    return max(t.peak_activations(r) for r in range(order.ranks))
+    return [t.peak_activations(r) for r in range(order.ranks)]
 
 
 def _within(d: Pipeline) -> str:
@@ -131,10 +131,10 @@ def _within(d: Pipeline) -> str:
     micro-batches, and the most micro-batches its own order does it with (M = 1 holds one)."""
     assert d.max_activations is not None
     fits = [f'order "{o}"' for o in orders.ORDERS if o not in (d.order, "interleaved")
-            and _peak(orders.make(o, d.stages, d.microbatches)) <= d.max_activations]
+            and max(_peaks(orders.make(o, d.stages, d.microbatches))) <= d.max_activations]
     for m in range(d.microbatches - 1, 0, -1):
         try:
-            within = _peak(orders.make(d.order, d.stages, m, d.chunks)) <= d.max_activations
+            within = max(_peaks(orders.make(d.order, d.stages, m, d.chunks))) <= d.max_activations
         except ValueError:  # (the interleaved order: micro-batches a multiple of the stages)
             continue
         if within:
