@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
-from coconetc.plan.units import Plan
+from coconetc.plan.units import Buffer, Plan
 
 
 # What a lambda's body reads of its enclosing function (codegen/cpu: the loops on the loop threads,
@@ -66,6 +66,7 @@ class Writer:
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
         self.plan, self.fn, self.file = plan, fn, file
         self.lines: list[str] = []
+        self.buffers: dict[str, Buffer] = {b.name: b for b in plan.buffers}
         self.types: dict[str, TType] = {b.name: b.type for b in plan.buffers}
         self.scattered = {b.name for b in plan.buffers if b.kind == "segments"}
         self.nsite = 0  # call sites numbered so far (scratch buffers, events, ...)

@@ -61,7 +61,7 @@ def _declaration_order(buffers) -> list[Buffer]:
 def reshape_into_output(w: Writer, b: Buffer) -> Library | None:
     """For a buffer held in an output's memory (plan/targets.py: a returned reshape's source),
     the reshape unit; None otherwise."""
-    if not b.same_as or b.same_at is not None or next(x for x in w.plan.buffers if x.name == b.same_as).kind != "output":
+    if not b.same_as or b.same_at is not None or w.buffers[b.same_as].kind != "output":
         return None
     return next(u for u in w.plan.units if isinstance(u, Library) and u.op == "reshape" and u.args[0] == b.name)
 

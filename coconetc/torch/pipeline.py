@@ -105,9 +105,10 @@ class Block:
         self.weights = [n for n in self.params if n != input and n not in self.scalars]
         # by accumulating backward, the weights whose gradients it adds into: weight -> its
         # accumulator parameter (the weight's .grad is passed there)
-        self.accumulated = {fn.name: {w: accumulator(w) for w in self.weights
-                                      if accumulator(w) in {q.name for q in fn.program_of(parse("default")).params}}
-                            for fn in (self.bwd_acc, self.bwd_weight_acc)}
+        self.accumulated = {}
+        for fn in (self.bwd_acc, self.bwd_weight_acc):
+            takes = {q.name for q in fn.program_of(parse("default")).params}
+            self.accumulated[fn.name] = {w: accumulator(w) for w in self.weights if accumulator(w) in takes}
 
     @staticmethod
     def _sched(fn: Any, schedule: str) -> str:

@@ -226,7 +226,7 @@ class CpuRenderer:
                         f"// {u.dst}, then {u.epilogue}")
             self.fused_loop, self.fused_by = loop, u.op
             return True
-        if accumulates(u, loop, {b.name: b for b in self.w.plan.buffers}):
+        if accumulates(u, loop, self.w.buffers):
             assert u.epilogue is not None  # (C += the GEMM: beta = 1 into the updated parameter)
             acc = [f"v_{u.epilogue.operand}" if a == f"v_{u.dst}" else a for a in library_calls.call_args(self.w, u)]
             self.w.emit(f"coconet::{u.op}_acc<{ct}>({', '.join(acc)});  // {u.epilogue.value} = "

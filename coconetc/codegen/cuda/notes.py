@@ -37,7 +37,7 @@ class Notes:
         for r in refs:
             if r.name in inside or r.name in self.w.consts or r.name in spans:
                 continue
-            kind = next((b.kind for b in self.w.plan.buffers if b.name == r.name), None)
+            kind = self.w.buffers[r.name].kind if r.name in self.w.buffers else None
             if kind in (None, "scalar", "register"):  # a Let, a scalar on the host, a value in registers
                 continue
             acc = self.idx.access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else SCALAR
