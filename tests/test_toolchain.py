@@ -62,9 +62,10 @@ def test_compile_takes_the_parsed_file() -> None:
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_the_blas_is_mkl_where_installed_and_chosen_by_coconet_blas(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MKL's libraries (and gemm.h's macro for them) where its wheel is installed, OpenBLAS's
-    with COCONET_BLAS=openblas; another value is refused, naming the variable and its values."""
+def test_the_blas_is_mkl_on_intel_where_installed_and_chosen_by_coconet_blas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MKL's libraries (and gemm.h's macro for them) on an Intel CPU where its wheel is installed,
+    OpenBLAS's on an AMD CPU and with COCONET_BLAS=openblas, MKL's with COCONET_BLAS=mkl whatever
+    the CPU; another value is refused, naming the variable and its values."""
     monkeypatch.setenv(probes.ENV_BLAS, "openblas")
     libs, defines = probes.blas_libraries()
     assert defines == () and len(libs) == 1 and "openblas" in Path(libs[0]).name
@@ -72,12 +73,22 @@ def test_the_blas_is_mkl_where_installed_and_chosen_by_coconet_blas(monkeypatch:
     with pytest.raises(probes.BuildError, match="COCONET_BLAS='atlas': expected 'mkl' or 'openblas'"):
         probes.blas_libraries()
     monkeypatch.delenv(probes.ENV_BLAS)
+    monkeypatch.setattr(probes, "cpu_vendor", lambda: "AuthenticAMD")
     libs, defines = probes.blas_libraries()
-    if probes.mkl_libs():
-        assert defines == ("COCONET_BLAS_MKL",)
-        assert [Path(x).name.split(".so")[0] for x in libs[:3]] == list(probes.MKL_LIBS) and libs[3] == "-lgomp"
-    else:
-        assert defines == () and "openblas" in Path(libs[0]).name
+    assert defines == () and "openblas" in Path(libs[0]).name
+    monkeypatch.setattr(probes, "cpu_vendor", lambda: "GenuineIntel")
+    for env in ("", "mkl"):
+        monkeypatch.setenv(probes.ENV_BLAS, env)
+        if not probes.mkl_libs() and env:
+            with pytest.raises(probes.BuildError, match="MKL's wheel is not installed"):
+                probes.blas_libraries()
+            continue
+        libs, defines = probes.blas_libraries()
+        if probes.mkl_libs():
+            assert defines == ("COCONET_BLAS_MKL",)
+            assert [Path(x).name.split(".so")[0] for x in libs[:3]] == list(probes.MKL_LIBS) and libs[3] == "-lgomp"
+        else:
+            assert defines == () and "openblas" in Path(libs[0]).name
 
 
 def test_cuda_architectures_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

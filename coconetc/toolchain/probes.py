@@ -21,7 +21,7 @@ from coconetc.paths import install_command, runtime_dir
 ENV_VERBOSE = "COCONET_VERBOSE"  # 1: show cmake's output while building
 ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
 ENV_BUILD_JOBS = "COCONET_BUILD_JOBS"  # parallel jobs of a CUDA build (default 2)
-ENV_BLAS = "COCONET_BLAS"  # mkl or openblas: the CPU modules' BLAS (default: MKL where its wheel is installed)
+ENV_BLAS = "COCONET_BLAS"  # mkl or openblas: the CPU modules' BLAS (default: MKL on Intel CPUs where installed)
 CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # the modules the 'cpu' extra brings (pyproject.toml)
 MKL_LIBS = ("libmkl_intel_lp64", "libmkl_gnu_thread", "libmkl_core")  # MKL's BLAS on GNU OpenMP, in link order
 
@@ -94,16 +94,31 @@ def mkl_libs() -> tuple[str, ...]:
     return tuple(str(Path(found[n]).resolve()) for n in MKL_LIBS) if all(n in found for n in MKL_LIBS) else ()
 
 
+@cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel names it (GenuineIntel, AuthenticAMD), "" where unknown: the
+    default BLAS follows it (blas_libraries)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    return found.group(1) if found else ""
+
+
 def blas_libraries() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The BLAS the CPU modules link: (its libraries, gemm.h's macros for it). MKL where the `mkl`
-    wheel is installed (the cpu extra installs it on x86-64: torch's own BLAS, from 5% faster than
-    OpenBLAS at a GPT block's GEMM shapes to 28% at a pipeline micro-batch's,
-    docs/results/cpu_2026-12-05_blas.md), else OpenBLAS (scipy-openblas32); COCONET_BLAS=openblas
+    """The BLAS the CPU modules link: (its libraries, gemm.h's macros for it). On an Intel CPU, MKL
+    where the `mkl` wheel is installed (the cpu extra installs it on x86-64: torch's own BLAS,
+    there from 5% faster than OpenBLAS at a GPT block's GEMM shapes to 28% at a pipeline
+    micro-batch's, docs/results/cpu_2026-12-05_blas.md); on other CPUs (AMD's), and where MKL is
+    not installed, OpenBLAS (scipy-openblas32: on an AMD EPYC as fast as MKL at 128 to 1024 tokens
+    and 3% to 33% faster at 4096, docs/results/cpu_2026-12-05_blas_amd.md). COCONET_BLAS=openblas
     or =mkl chooses."""
     want = os.environ.get(ENV_BLAS, "").strip().lower()
     if want not in ("", "mkl", "openblas"):
-        raise BuildError(f"coconetc: {ENV_BLAS}={want!r}: expected 'mkl' or 'openblas' (or unset: MKL where installed)")
-    if want != "openblas":
+        raise BuildError(f"coconetc: {ENV_BLAS}={want!r}: expected 'mkl' or 'openblas' (or unset: MKL on an "
+                         "Intel CPU where installed)")
+    if want == "mkl" or (not want and cpu_vendor() == "GenuineIntel"):
         mkl = mkl_libs()
         if mkl:  # its GNU OpenMP layer names libgomp's symbols without needing the library
             return (*mkl, "-lgomp"), ("COCONET_BLAS_MKL",)
@@ -138,11 +153,12 @@ def toolchain_fingerprint() -> str:
     runtime/warm.py, where importing them costs more than the rest of the key): the tools'
     paths, where each wheel of the cpu extra is and when its __init__ was written (the
     Toolchain's CMake folder, headers and library lie in these wheels' folders, which an
-    install rewrites), MKL's libraries and when they were written, COCONET_BLAS, and the platform.
+    install rewrites), MKL's libraries and when they were written, COCONET_BLAS, the CPU's vendor
+    and the platform.
     It changes when a tool is found elsewhere or a wheel is installed again or elsewhere, which
     is when toolchain().key() changes (short of a library copied by hand into a wheel's folder)."""
     require_cpu_extra()
-    parts = [_bin("cmake"), _bin("mpicxx"), *_platform(), os.environ.get(ENV_BLAS, ""),
+    parts = [_bin("cmake"), _bin("mpicxx"), *_platform(), os.environ.get(ENV_BLAS, ""), cpu_vendor(),
              *(f"{lib}:{os.stat(lib).st_mtime_ns}" for lib in mkl_libs())]
     for name in CPU_EXTRA:
         origin = importlib.util.find_spec(name).origin  # type: ignore[union-attr]

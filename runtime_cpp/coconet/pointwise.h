@@ -42,7 +42,9 @@ COCONET_HD inline float erf_float(float a) {
 // programs) with the library's erf, as the interpreter computes it; in float (f32, f16, bf16
 // programs, whose compute type is float) with erf_float, which vectorizes: within 1e-6 of the
 // double value for every float x (a scalar std::erf per element cost a GEMM's epilogue more than
-// the GEMM at the GPT block's sizes).
+// the GEMM at the GPT block's sizes). With AVX2 (no masked vector operations) the loop vectorizes
+// only with -fno-trapping-math (codegen/cpu CXX_FLAGS): GCC otherwise keeps the clamp's branches,
+// since it will not compute the division on a path that did not ask for it.
 template <class C> COCONET_HD inline C gelu(C x) {
   double d = static_cast<double>(x);
   return static_cast<C>(0.5 * d * (1.0 + std::erf(d * 0.70710678118654752440)));

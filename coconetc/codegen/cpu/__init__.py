@@ -19,8 +19,13 @@ from coconetc.codegen.module import functions, lay_out, lay_out_file, lay_out_un
 from coconetc.sourcefile import SourceFile
 
 # The compile options of a CPU module's units and of its binding (CMakeLists.txt.j2 renders them
-# for a CMake build; toolchain/commands.py passes them to mpicxx).
-CXX_FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fno-math-errno", "-Wall", "-Wno-unused-variable",
+# for a CMake build; toolchain/commands.py passes them to mpicxx). -fno-trapping-math: a loop
+# whose division or vector call sits under a select (GELU's erf clamp, its gradient's x == 0
+# case) is if-converted and vectorized with AVX2 too, not only with AVX-512's masks (GCC will
+# not compute a division that may trap on a path that did not ask for it; coconet reads no
+# floating-point exception flags): the GELU epilogue of 262k floats 0.90 -> 0.17 ms, its
+# backward 1.25 -> 0.21 ms, one AVX2 core.
+CXX_FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-unused-variable",
              "-Wno-unused-but-set-variable")
 TEMPLATES = Path(__file__).parent / "templates"
 UNIT_SYMBOL = "coconet_unit_"  # + the function's name: its extern "C" name in its unit's shared object
