@@ -77,18 +77,18 @@ def test_the_blas_is_mkl_on_intel_where_installed_and_chosen_by_coconet_blas(mon
     libs, defines = probes.blas_libraries()
     assert defines == () and "openblas" in Path(libs[0]).name
     monkeypatch.setattr(probes, "cpu_vendor", lambda: "GenuineIntel")
-    for env in ("", "mkl"):
-        monkeypatch.setenv(probes.ENV_BLAS, env)
-        if not probes.mkl_libs() and env:
-            with pytest.raises(probes.BuildError, match="MKL's wheel is not installed"):
-                probes.blas_libraries()
-            continue
-        libs, defines = probes.blas_libraries()
-        if probes.mkl_libs():
-            assert defines == ("COCONET_BLAS_MKL",)
-            assert [Path(x).name.split(".so")[0] for x in libs[:3]] == list(probes.MKL_LIBS) and libs[3] == "-lgomp"
-        else:
-            assert defines == () and "openblas" in Path(libs[0]).name
+    intel = probes.blas_libraries()
+    if not probes.mkl_libs():
+        assert intel[1] == () and "openblas" in Path(intel[0][0]).name
+        monkeypatch.setenv(probes.ENV_BLAS, "mkl")
+        with pytest.raises(probes.BuildError, match="MKL's wheel is not installed"):
+            probes.blas_libraries()
+        return
+    monkeypatch.setenv(probes.ENV_BLAS, "mkl")
+    monkeypatch.setattr(probes, "cpu_vendor", lambda: "AuthenticAMD")
+    for libs, defines in (intel, probes.blas_libraries()):  # unset on Intel; COCONET_BLAS=mkl on AMD
+        assert defines == ("COCONET_BLAS_MKL",)
+        assert [Path(x).name.split(".so")[0] for x in libs[:3]] == list(probes.MKL_LIBS) and libs[3] == "-lgomp"
 
 
 def test_cuda_architectures_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from coconetc.errors import CompileError
 from coconetc.plan.label import schedule_name
 from coconetc.plan.targets import Target
-from coconetc.toolchain.probes import cache_dir
+from coconetc.toolchain.probes import cache_dir, cpu_info
 
 if TYPE_CHECKING:  # (the front half: imported by with_tuned, on a load's cold path only)
     from coconetc.sourcefile import SourceFile
@@ -57,14 +57,7 @@ def machine(target: str = "cpu") -> str:
     if device is not None:
         return machine() + " | " + device()
     import socket  # (here, not with the module: a load asks only when the file has tuning records)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_info("model name") or platform.processor() or platform.machine()
     return f"{socket.gethostname()} | {model} | {os.cpu_count()} cores"
 
 

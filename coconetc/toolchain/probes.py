@@ -95,15 +95,21 @@ def mkl_libs() -> tuple[str, ...]:
 
 
 @cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as the kernel names it (GenuineIntel, AuthenticAMD), "" where unknown: the
-    default BLAS follows it (blas_libraries)."""
+def cpu_info(field: str) -> str:
+    """The first value of FIELD in /proc/cpuinfo ("vendor_id", "model name"), "" where there is
+    none (or no such file)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return ""
-    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
-    return found.group(1) if found else ""
+    found = re.search(rf"^{re.escape(field)}\s*:(.*)$", text, re.M)
+    return found.group(1).strip() if found else ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel names it (GenuineIntel, AuthenticAMD), "" where unknown: the
+    default BLAS follows it (blas_libraries)."""
+    return cpu_info("vendor_id")
 
 
 def blas_libraries() -> tuple[tuple[str, ...], tuple[str, ...]]:
