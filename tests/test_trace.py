@@ -94,3 +94,35 @@ def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
                        (["-s", "nope", "--size", "N=8"], "no schedule 'nope'")):
         res = CliRunner().invoke(main, ["explain", str(sgd), "--measure", *args])
         assert res.exit_code != 0 and said in res.output, res.output
+
+
+def test_explain_measure_gives_what_runs_as_one_a_row():
+    """Units the CPU runs as one (an attention core's members, a GEMM and its epilogue loop) are
+    one row of explain --measure: the time the trace gives their last mark (the others are
+    empty), against the sum of their predictions; a reshape held in its source's memory is
+    predicted free. A made-up trace of gpt_block's plan: each unit's mark 1 us + its index."""
+    from coconetc.plan.cost import cost
+    from coconetc.plan.units import Library, title
+    from coconetc.sourcefile import load_file
+    from coconetc.tune import explain as ex
+    mod = load_file(REPO / "examples" / "gpt_block.ccn")
+    plan = mod.plans[("gpt_block", "default")]
+    sizes = {"B": 2, "S": 16, "H": 32, "NH": 2, "HD": 16, "F": 128}
+    n = len(plan.units)
+    events = [{"ph": "X", "cat": "call", "ts": 0.0, "dur": 1e6}] + \
+        [{"ph": "X", "cat": "unit", "ts": 1.0 + i, "dur": 1.0 + i, "args": {"unit_index": i}} for i in range(n)]
+    m = ex.measured_units(mod, "gpt_block", "default", 1, sizes, [{"traceEvents": events}])
+    rows = {r["unit"]: r for r in m["units"]}
+    assert sorted(k for r in m["units"] for k in r["units"]) == list(range(n))  # each unit in one row
+    (att,) = plan.attention
+    call = rows[f"attention forward call (units {att.members[0]}-{att.members[-1]})"]
+    parts = cost(plan, sizes, 1).parts
+    assert call["units"] == list(att.members) and len(att.members) > 2
+    assert call["measured_s"] == pytest.approx(sum(1e-6 * (1 + k) for k in att.members))
+    assert call["predicted_s"] == pytest.approx(sum(parts[k][1].seconds() for k in att.members))
+    gemm = next(i for i, u in enumerate(plan.units) if title(u) == "matmul hm")
+    assert plan.units[gemm].epilogue is not None and "cpu" in plan.units[gemm].fused
+    fused = rows["matmul hm + epilogue loop: h"]
+    assert fused["units"] == [gemm, gemm + 1] and fused["measured_s"] == pytest.approx(1e-6 * (2 * gemm + 3))
+    views = [i for i, u in enumerate(plan.units) if isinstance(u, Library) and u.op == "reshape"]
+    assert views and all(parts[i][1].seconds() == 0 for i in views)

@@ -49,6 +49,9 @@ alike, except MPI's reduce-scatter: Open MPI's measured 4 to 8 times slower than
 bytes on one node (`bench/collectives.py`), so what it sends counts at
 Machine.mpi_reduce_scatter_bw.
 
+A reshape or an index held in its source's memory (Buffer.same_as: no copy, plan/targets.py)
+costs nothing: nothing runs.
+
 A loop over E elements (this rank's part of its type) reads each memory operand once
 (min(E, that operand's elements): a replicated operand of a sliced loop is read at the slice)
 and writes each stored item once: E * bytes per element.
@@ -190,6 +193,12 @@ class _Counter:
         except KeyError:
             return None  # a Let (scalar computed before a loop)
 
+    def _held(self, dst: str, src: str) -> bool:
+        """DST is held in SRC's memory or SRC in DST's (Buffer.same_as: a reshape or an index
+        that needs no copy, plan/targets.py)."""
+        d, s = self.buffer(dst), self.buffer(src)
+        return (d is not None and d.same_as == src) or (s is not None and s.same_as == dst)
+
     # --- units ---------------------------------------------------------------------------
     def unit(self, u: Unit) -> Cost:
         if isinstance(u, Loop):
@@ -247,6 +256,8 @@ class _Counter:
         return c
 
     def library(self, u: Library) -> Cost:
+        if u.op in ("reshape", "index") and self._held(u.dst, u.args[0]):
+            return Cost()  # a view: the result is read in its source's memory, nothing runs
         c = Cost(passes=1, launches=1)
         for a in (*u.args, u.dst):
             b = self.buffer(a)

@@ -21,7 +21,7 @@ from coconetc.plan.targets import Target
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
 from coconetc.runtime import tuned as cache
-from coconetc.plan.units import title
+from coconetc.plan.units import Library, Plan, title
 from coconetc.plan.cost import Cost, Machine, cost
 
 
@@ -153,13 +153,25 @@ def cpu_bound(part: Cost, m: Machine | None = None) -> float:
     return max(part.moved / m.mem_bw, part.sent / m.link_bw, part.flops / m.flop_rate)
 
 
+def _one_run(plan: Plan) -> dict[int, list[int]]:
+    """The units the CPU runs as one, by the unit whose trace mark times them all (the others'
+    marks are empty): an attention core's members, by its last (Plan.attention); a GEMM and the
+    loop after it that it computes as its epilogue (Library.epilogue), by the GEMM."""
+    groups = {a.members[-1]: list(a.members) for a in plan.attention if "cpu" in a.fused}
+    for i, u in enumerate(plan.units):
+        if isinstance(u, Library) and u.epilogue is not None and "cpu" in u.fused and i + 1 < len(plan.units):
+            groups[i] = [i, i + 1]
+    return groups
+
+
 def measured_units(mod: SourceFile, program: str, label: str, ranks: int, sizes: dict[str, int],
                    traces: list[dict]) -> dict:
     """Each unit of PROGRAM's plan under LABEL, measured in TRACES (each rank's trace file of
     the calls, coconetc/runtime/trace.py; the first call of each rank left out as a warm-up):
     the median over the calls of each unit's time on the slowest rank, the cost model's
     prediction at SIZES and the unit's bound (cpu_bound); the same for the whole call, and
-    predicted / measured."""
+    predicted / measured. A row per unit ("units": its index in the plan), except where the CPU
+    runs several as one (_one_run): one row for them, their sums."""
     plan = mod.plans[(program, parse(label).name)]
     c = cost(plan, sizes, ranks, window=parse(label).algorithm != "p2p")
     per_rank: list[list[list[float]]] = []  # rank -> call -> [call's own time, each unit's time]
@@ -180,8 +192,20 @@ def measured_units(mod: SourceFile, program: str, label: str, ranks: int, sizes:
         raise ExplainError(f"no traced call of {program} [{label}] was found")
     slowest = [[max(r[k][j] for r in per_rank) for j in range(len(plan.units) + 1)] for k in range(n)]
     median = [statistics.median(col) for col in zip(*slowest)]
-    units = [{"unit": title(u), "measured_s": median[1 + i], "predicted_s": part.seconds(),
-              "bound_s": cpu_bound(part)} for i, (u, part) in enumerate(c.parts)]
+    units = []
+    groups = _one_run(plan)
+    inside = {k for members in groups.values() for k in members}
+    for i, u in enumerate(plan.units):
+        if i in inside and i not in groups:
+            continue
+        members = groups.get(i, [i])
+        parts = [c.parts[k][1] for k in members]
+        a = next((a for a in plan.attention if a.members[-1] == i), None)
+        name = title(u) if len(members) == 1 else \
+            f"attention {a.kind} call (units {members[0]}-{members[-1]})" if a is not None else \
+            f"{title(u)} + epilogue {title(plan.units[members[-1]])}"
+        units.append({"unit": name, "units": members, "measured_s": sum(median[1 + k] for k in members),
+                      "predicted_s": sum(q.seconds() for q in parts), "bound_s": sum(cpu_bound(q) for q in parts)})
     whole = median[0]
     return {"program": program, "schedule": label, "ranks": ranks, "sizes": sizes, "calls": n, "units": units,
             "measured_s": whole, "predicted_s": c.seconds(), "bound_s": sum(r["bound_s"] for r in units),
