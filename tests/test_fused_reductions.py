@@ -344,6 +344,34 @@ def test_an_overlaps_fused_reductions_equal_the_interpreter(tmp_path):
         assert f"tp_amax [overlapped]: {ranks} ranks" in out and "matches the interpreter on every rank" in out, out
 
 
+OVERLAP_ROWS = """program proj_ln(o: f32[B, S, K] sliced(2), w: f32[K, H] sliced(0), x: f32[B, S, H] sliced(1),
+                g: f32[H] replicated, b: f32[H] replicated) {
+    p = matmul(o, w)
+    t = reducescatter(sum, p, dim=1)
+    x1 = x + t
+    ns = layernorm(x1, g, b, 1e-5)
+    n = allgather(ns)
+    return n
+}
+schedule overlapped for proj_ln {
+    f = fuse(t, x1, ns, n)
+    overlap(p, f, chunks=2)
+}
+"""
+
+
+def test_an_overlaps_row_wise_phase_computes_whole_rows(tmp_path):
+    """An overlap's fused collective with a layernorm (gpt_block_sp's `overlapped`), rows of
+    H = 24 elements, which do not divide the 2^15 elements a task computes between two MPI
+    progress calls: the pieces are whole rows (each rank's 1380 rows of a block are 33,120
+    elements; pieces of 2^15 cut row 1365, whose layernorm read and wrote past its piece)."""
+    path = tmp_path / "proj_ln.ccn"
+    path.write_text(OVERLAP_ROWS)
+    out = _run(["run", str(path), "-s", "overlapped", "--ranks", "2", "--size", "B=2", "--size", "S=2760",
+                "--size", "H=24"], timeout=180)  # (the bug wrote past its buffers: a rank could spin)
+    assert "proj_ln [overlapped]: 2 ranks" in out and "matches the interpreter on every rank" in out, out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_an_overlaps_fused_reductions_equal_the_interpreter(tmp_path):

@@ -370,8 +370,9 @@ def _fused(u: Fused, kinds: dict[str, str], overlapped: bool) -> Fused:
 
 def _cpu(u: Fused, overlapped: bool) -> Strategy:
     shm = u.op == "reducescatter" and not overlapped
-    chunking = Chunking(ChunkElems.TASK if overlapped else ChunkElems.DEFAULT, u.rows,
-                        u.rows is not None and not overlapped)
+    # a row-wise phase computes whole rows: the chunks and the pieces computed between two MPI
+    # progress calls are whole rows, an overlap's task's as well
+    chunking = Chunking(ChunkElems.TASK if overlapped else ChunkElems.DEFAULT, u.rows, u.rows is not None)
     return Strategy("cpu", (Algorithm.P2P, Algorithm.SHM) if shm else (Algorithm.P2P,), chunking,
                     Partials.PER_CHUNK if u.partials else Partials.NONE,
                     GatherAfter.PER_PIECE if u.gather_after else GatherAfter.NONE)

@@ -184,24 +184,30 @@ std::unique_ptr<Task> start_allgather_pieces(const T* in_slice, T* out, int64_t 
   return t;
 }
 
-// A fused reduce-scatter + compute + all-gather (fused.h) as a task.
+// A fused reduce-scatter + compute + all-gather (fused.h) as a task; compute runs in pieces of
+// progress_elems (whole rows where the computation has a row-wise phase: the plan's
+// Chunking.progress_rows, as for the blocking call).
 template <class T, class Compute>
 std::unique_ptr<Task> start_fused_rs_compute_ag(Op op, const Segments<const T>& in, Shape3 shape,
                                                 Comm& comm, int channel, int64_t chunk_elems,
                                                 Compute compute,
-                                                std::vector<GatherTarget> gathers) {
+                                                std::vector<GatherTarget> gathers,
+                                                int64_t progress_elems = kProgressElems) {
   return std::make_unique<OpTask<FusedRsComputeAg<T, Compute>>>(
-      op, in, shape, comm, channel, chunk_elems, std::move(compute), std::move(gathers));
+      op, in, shape, comm, channel, chunk_elems, std::move(compute), std::move(gathers),
+      progress_elems);
 }
 
-// A fused allreduce + compute (fused.h) as a task.
+// A fused allreduce + compute (fused.h) as a task (progress_elems: as above).
 template <class T, class Compute>
 std::unique_ptr<Task> start_fused_allreduce_compute(Op op, const Segments<const T>& in,
                                                     Comm& comm, int channel,
-                                                    int64_t chunk_elems, Compute compute) {
+                                                    int64_t chunk_elems, Compute compute,
+                                                    int64_t progress_elems = kProgressElems) {
   return std::make_unique<OpTask<FusedAllreduceCompute<T, Compute>>>(op, in, comm, channel,
                                                                      chunk_elems,
-                                                                     std::move(compute));
+                                                                     std::move(compute),
+                                                                     progress_elems);
 }
 
 // ---- chunks along any dim: packed for their collective, unpacked into place ------------------

@@ -98,10 +98,9 @@ class CpuOverlap:
         start = "start_fused_rs_compute_ag" if f.op == "reducescatter" else "start_fused_allreduce_compute"
         shape_arg = f"coconet::Shape3{{{shape}}}, " if f.op == "reducescatter" else ""
         extra = f", {targets}" if f.op == "reducescatter" else ""
-        chunk, progress = self.fusion.chunk_sizes(f, "count")
-        assert not progress, f.name  # (the plan: no progress pieces of rows in a task)
+        chunk, progress = self.fusion.chunk_sizes(f, "count")  # (progress: pieces of whole rows)
         self.w.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y} + base, count), "
-                  f"{shape_arg}comm, channel, {chunk}, compute{extra});")
+                  f"{shape_arg}comm, channel, {chunk}, compute{extra}{progress});")
         if u.then is not None:  # chunk i's rows of the gathered value, multiplied once its task is done
             t = u.then
             rows_per, cols = _prod(self.w.ldims(self.w.types[t.a])[1:-1]), self.w.ldims(self.w.types[t.consumer])[-1]

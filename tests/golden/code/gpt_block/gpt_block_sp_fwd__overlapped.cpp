@@ -337,7 +337,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
     }
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   });
   trace_28.end();
   coconet::trace::Unit trace_29(29);

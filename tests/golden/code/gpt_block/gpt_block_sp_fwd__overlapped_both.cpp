@@ -343,7 +343,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a) {
     }
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   }, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_n2 + (r.begin * S_S) * S_H, S_H, bp_hm, bld_hm, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });

@@ -413,7 +413,7 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   });
   trace_26.end();
   coconet::trace::Unit trace_27(27);
@@ -685,7 +685,7 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   });
   trace_35.end();
   coconet::trace::Unit trace_36(36);

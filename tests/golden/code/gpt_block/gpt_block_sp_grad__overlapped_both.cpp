@@ -415,7 +415,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   }, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_n2 + (r.begin * S_S) * S_H, S_H, bp_hm, bld_hm, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });
@@ -686,7 +686,7 @@ void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a) {
     }
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   }, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::matmul_nt<float>(v_g_allgather4 + (r.begin * S_S) * S_H, v_ap_reshape, v_g_o + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
