@@ -303,7 +303,8 @@ def test_explain_models_a_pipeline_schedule(tmp_path) -> None:
         costs.append(orders.Costs(forward=f_ms, backward=b_ms, input_grad=bi, weight_grad=w))
     assert costs[0].forward > 2 * costs[1].forward  # 3 layers against 1
     bubble = orders.simulate(orders.make("zero_bubble", 2, 4), costs).bubble()
-    assert f"bubble {bubble:.3f}" in res.output, (bubble, res.output)
+    said = float(re.search(r"^bubble ([0-9.]+) ", res.output, re.M).group(1))  # type: ignore[union-attr]
+    assert abs(said - bubble) <= 0.003, (bubble, res.output)  # (the costs above are the printed, rounded ones)
 
 
 def _explain_chart(tmp_path):
