@@ -572,7 +572,7 @@ def test_pairing_cuts_only_where_both_schedules_apply() -> None:
     apply to the cut programs; a schedule that does not exists only for p or grad(p), and the
     step then runs p and the whole derived program, which saves nothing and recomputes every
     forward value it reads."""
-    from coconetc.autodiff.saved import pairing
+    from coconetc.autodiff.saved import pairing, uncut
     from coconetc.sourcefile import grad_name, with_grads
     full = with_grads(load_source(MLP), ["mlp"])
     g = grad_name("mlp")
@@ -585,6 +585,12 @@ def test_pairing_cuts_only_where_both_schedules_apply() -> None:
     whole = pairing(full.programs, alone, "mlp", g, "default", "only_grad", "default")
     assert (whole.forward, whole.backward, whole.saved, whole.cut) == ("mlp", g, (), False)
     assert set(whole.recomputed) == {"h", *both.recomputed}
+    # what coconetc.torch.function warns with then: why, and the schedules that would cut
+    assert uncut(full.schedules, "mlp", g, "default", "default", "default") == ""
+    said = uncut(alone, "mlp", g, "default", "only_grad", "default")
+    assert said.startswith("grad_schedule 'only_grad' names values mlp_bwd does not have (the schedules "
+                           "that apply to mlp_bwd: none but the default), so each training step runs mlp and "
+                           "then the whole derived program mlp_grad"), said
 
 
 @pytest.mark.parametrize("src, name, sizes, ranks", [

@@ -10,6 +10,7 @@ and the model run eagerly."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,14 @@ def test_operators_are_named_per_call_and_shared(built):
     assert len({str(o._qualname) for o in (fwd, other, f.operators("cuda")[0])}) == 3
     # the op is reachable as torch.ops.coconet.<name>
     assert getattr(torch.ops.coconet, name.split("::")[1]).default._schema == fwd._opoverload._schema
+    # a grad schedule that names forward stages: the whole derived program each step, said once
+    block = REPO / "examples" / "gpt_block.ccn"
+    with pytest.warns(UserWarning, match=r"grad_schedule 'overlapped' names values gpt_block_sp_bwd does not "
+                                         r"have \(the schedules that apply to gpt_block_sp_bwd: 'backward'\)"):
+        ct.function(block, "gpt_block_sp", schedule="overlapped", grad_schedule="overlapped")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ct.function(block, "gpt_block_sp", schedule="overlapped", grad_schedule="backward")
 
 
 def test_scalars_are_typed_arguments():

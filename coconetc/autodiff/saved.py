@@ -141,6 +141,26 @@ def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: s
                    tuple(s.name for s in back.stages if s.name in again), cut)
 
 
+def uncut(schedules: dict[str, dict], program: str, grad: str, schedule: str, grad_schedule: str,
+          default: str) -> str:
+    """Why `pairing` runs PROGRAM and the whole derived program GRAD rather than the training cut
+    under these schedules, naming the schedules that do apply to each cut program; "" where it
+    cuts."""
+    kept = bool(getattr(schedules.get(grad, {}).get(grad_schedule), "keeps_gathered", False))
+    fwd, bwd = fwd_name(program, kept), bwd_name(program, kept)
+    why = []
+    for s, cut, what in ((schedule, fwd, "schedule"), (grad_schedule, bwd, "grad_schedule")):
+        if s != default and s not in schedules.get(cut, {}):
+            fits = [n for n, v in schedules.get(cut, {}).items() if n != default and not getattr(v, "auto", False)]
+            why.append(f"{what} {s!r} names values {cut} does not have (the schedules that apply to "
+                       f"{cut}: {', '.join(repr(n) for n in fits) or 'none but the default'})")
+    if not why:
+        return ""
+    return ("; ".join(why) + f", so each training step runs {program} and then the whole derived program "
+            f"{grad}, which computes the forward again (`coconetc show FILE -p {program} --grad -s "
+            f"{grad_schedule}` says what a step runs)")
+
+
 @dataclass(frozen=True)
 class InputWeight:
     """The backward `<p>_bwd` cut in two for a pipeline's zero-bubble orders (Qi et al. 2023):

@@ -4,6 +4,7 @@ torch.library custom operators (ops.py)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class Differentiable:
 
     def __init__(self, source: str | Path, program: str | None, schedule: str, grad_schedule: str,
                  comm: Any, groups: int = 1, backend: str | None = None, process_group: Any = None):
-        from coconetc.autodiff.saved import pairing
+        from coconetc.autodiff.saved import pairing, uncut
         from coconetc.autodiff.vjp import cotangent_params
         from coconetc.plan.label import DEFAULT
         from coconetc.sourcefile import grad_name, load_file, with_grads
@@ -88,6 +89,9 @@ class Differentiable:
         # the forward keeps the saved values where both schedules apply to the programs cut
         # there; otherwise the backward is the whole derived program (autodiff/saved.py)
         pair = pairing(sf.programs, sf.schedules, program, gname, schedule, grad_schedule, DEFAULT)
+        if not pair.cut:  # (slower, but what the schedules say: a warning, once per function)
+            warnings.warn(f"{what}: {uncut(sf.schedules, program, gname, schedule, grad_schedule, DEFAULT)}",
+                          stacklevel=3)
         self.fwd_program, self.bwd_program = pair.forward, pair.backward
         self.back = sf.programs[pair.backward]  # the backward's program (its operator's signature: ops.py)
         self.saved, self.recomputed = pair.saved, pair.recomputed
