@@ -127,12 +127,8 @@ def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: s
     """The Pairing of PROGRAM (its derived program GRAD) in a file whose programs (the
     derived and cut ones included: sourcefile.with_grads) and schedules by program are given;
     DEFAULT: the unscheduled program's label."""
-    # (a grad schedule that says keep_gathered() pairs the cut that keeps the gathered weights:
-    # sourcefile.ScheduleIR.keeps_gathered; the schedule layer is above this one)
-    kept = bool(getattr(schedules.get(grad, {}).get(grad_schedule), "keeps_gathered", False))
-    fwd, bwd = fwd_name(program, kept), bwd_name(program, kept)
-    cut = (schedule == default or schedule in schedules.get(fwd, {})) and \
-        (grad_schedule == default or grad_schedule in schedules.get(bwd, {}))
+    fwd, bwd = _cut_names(schedules, program, grad, grad_schedule)
+    cut = _applies(schedules, fwd, schedule, default) and _applies(schedules, bwd, grad_schedule, default)
     p, g = programs[program], programs[grad]
     back = programs[bwd if cut else grad]
     saved = tuple(q.name for q in back.params[len(p.params):len(back.params) - len(cotangent_params(g, p))])
@@ -141,16 +137,28 @@ def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: s
                    tuple(s.name for s in back.stages if s.name in again), cut)
 
 
+def _cut_names(schedules: dict[str, dict], program: str, grad: str, grad_schedule: str) -> tuple[str, str]:
+    """The forward and backward of PROGRAM's training cut that GRAD_SCHEDULE pairs: a grad
+    schedule that says keep_gathered() pairs the cut that keeps the gathered weights
+    (sourcefile.ScheduleIR.keeps_gathered; the schedule layer is above this one)."""
+    kept = bool(getattr(schedules.get(grad, {}).get(grad_schedule), "keeps_gathered", False))
+    return fwd_name(program, kept), bwd_name(program, kept)
+
+
+def _applies(schedules: dict[str, dict], cut: str, schedule: str, default: str) -> bool:
+    """SCHEDULE applies to the cut program CUT (with_grads gave it the schedules that do)."""
+    return schedule == default or schedule in schedules.get(cut, {})
+
+
 def uncut(schedules: dict[str, dict], program: str, grad: str, schedule: str, grad_schedule: str,
           default: str) -> str:
     """Why `pairing` runs PROGRAM and the whole derived program GRAD rather than the training cut
     under these schedules, naming the schedules that do apply to each cut program; "" where it
     cuts."""
-    kept = bool(getattr(schedules.get(grad, {}).get(grad_schedule), "keeps_gathered", False))
-    fwd, bwd = fwd_name(program, kept), bwd_name(program, kept)
+    fwd, bwd = _cut_names(schedules, program, grad, grad_schedule)
     why = []
     for s, cut, what in ((schedule, fwd, "schedule"), (grad_schedule, bwd, "grad_schedule")):
-        if s != default and s not in schedules.get(cut, {}):
+        if not _applies(schedules, cut, s, default):
             fits = [n for n, v in schedules.get(cut, {}).items() if n != default and not getattr(v, "auto", False)]
             why.append(f"{what} {s!r} names values {cut} does not have (the schedules that apply to "
                        f"{cut}: {', '.join(repr(n) for n in fits) or 'none but the default'})")

@@ -153,14 +153,16 @@ def cpu_bound(part: Cost, m: Machine | None = None) -> float:
     return max(part.moved / m.mem_bw, part.sent / m.link_bw, part.flops / m.flop_rate)
 
 
-def _one_run(plan: Plan) -> dict[int, list[int]]:
-    """The units the CPU runs as one, by the unit whose trace mark times them all (the others'
-    marks are empty): an attention core's members, by its last (Plan.attention); a GEMM and the
-    loop after it that it computes as its epilogue (Library.epilogue), by the GEMM."""
-    groups = {a.members[-1]: list(a.members) for a in plan.attention if "cpu" in a.fused}
+def _one_run(plan: Plan) -> dict[int, tuple[list[int], str]]:
+    """The units the CPU runs as one and their row's name, by the unit whose trace mark times
+    them all (the others' marks are empty): an attention core's members, by its last
+    (Plan.attention); a GEMM and the loop after it that it computes as its epilogue
+    (Library.epilogue), by the GEMM."""
+    groups = {a.members[-1]: (list(a.members), f"attention {a.kind} call (units {a.members[0]}-{a.members[-1]})")
+              for a in plan.attention if "cpu" in a.fused}
     for i, u in enumerate(plan.units):
         if isinstance(u, Library) and u.epilogue is not None and "cpu" in u.fused and i + 1 < len(plan.units):
-            groups[i] = [i, i + 1]
+            groups[i] = ([i, i + 1], f"{title(u)} + epilogue {title(plan.units[i + 1])}")
     return groups
 
 
@@ -194,16 +196,12 @@ def measured_units(mod: SourceFile, program: str, label: str, ranks: int, sizes:
     median = [statistics.median(col) for col in zip(*slowest)]
     units = []
     groups = _one_run(plan)
-    inside = {k for members in groups.values() for k in members}
+    inside = {k for members, _ in groups.values() for k in members}
     for i, u in enumerate(plan.units):
         if i in inside and i not in groups:
             continue
-        members = groups.get(i, [i])
+        members, name = groups.get(i, ([i], title(u)))
         parts = [c.parts[k][1] for k in members]
-        a = next((a for a in plan.attention if a.members[-1] == i), None)
-        name = title(u) if len(members) == 1 else \
-            f"attention {a.kind} call (units {members[0]}-{members[-1]})" if a is not None else \
-            f"{title(u)} + epilogue {title(plan.units[members[-1]])}"
         units.append({"unit": name, "units": members, "measured_s": sum(median[1 + k] for k in members),
                       "predicted_s": sum(q.seconds() for q in parts), "bound_s": sum(cpu_bound(q) for q in parts)})
     whole = median[0]
