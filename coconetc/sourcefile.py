@@ -41,6 +41,9 @@ class ScheduleIR:
     program: str
     directives: tuple[Directive, ...]
     ir: Program | None  # None for `schedule auto` (the autotuner decides)
+    # the directives as the schedule wrote them, where an each_layer(...) stands for several of
+    # `directives` (those with its span); None: the same
+    written: tuple[Directive, ...] | None = None
 
     @property
     def auto(self) -> bool:
@@ -269,6 +272,7 @@ def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
         raise CompileError.at(p.span, f"schedule {schedule} of {program} has no pipeline(...) directive")
     c = cut(p, d)
     entries = []
+    scheduled = {s.program: s for s in _stage_schedules(p, mod.schedule(program, schedule).directives, schedule)}
     for k in range(c.order.stages):
         sp = stage_program(p, c, k, stage_name(program, schedule, k))
         if sp.name not in mod.programs:
@@ -276,6 +280,10 @@ def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
             mod.programs[sp.name] = sp
             mod.schedules[sp.name] = {}
             mod.derived[sp.name] = program
+            if sp.name in scheduled:  # its layers' directives: the stage's own schedule of the same name
+                mod.schedules[sp.name][schedule] = own = scheduled[sp.name]
+                assert own.ir is not None
+                mod.plans[(sp.name, schedule)] = plan_program(own.ir, schedule)
         entries.append(f"{sp.name}:{stage_input(p, sp, k, first or 'x')}")
     return entries
 
@@ -414,15 +422,100 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
             raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.target, (), None)
         return
+    written = directives
+    directives = _each_layer(mod, tree, sched, directives)
     refused = keep_refused(mod.programs[sched.target], directives, sched.grad)
     if refused is not None:
         raise refused
     try:
         ir = apply_all(mod.programs[sched.target], directives)
         mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
+        _stage_schedules(mod.programs[sched.target], directives, sched.name)  # (checked: each applies)
     except CompileError as err:
-        raise _settled(err, mod.programs[sched.target], directives, sched.name) from None
-    known[sched.name] = ScheduleIR(sched.name, sched.target, directives, ir)
+        raise _written_out(_settled(err, mod.programs[sched.target], directives, sched.name), written) from None
+    known[sched.name] = ScheduleIR(sched.name, sched.target, directives, ir,
+                                   written if written != directives else None)
+
+
+def _written_out(err: CompileError, written: tuple[Directive, ...]) -> CompileError:
+    """ERR with each diagnostic at an each_layer(...) of WRITTEN (a refusal of one of the
+    directives it stands for) saying so: its names are the layers' (`y__l<l>__<name>`)."""
+    from coconetc.schedule.each_layer import EachLayer
+    def of(g: Diagnostic) -> EachLayer | None:
+        return next((d for d in written if isinstance(d, EachLayer)
+                     and d.span.line <= g.span.line <= max(d.span.line, d.span.end_line)), None)
+    return CompileError([replace(g, message=f"each_layer(): the block's schedule '{d.schedule}', written out for "
+                                 f"each layer, is refused: {g.message}") if (d := of(g)) is not None else g
+                         for g in err.diagnostics])
+
+
+def _each_layer(mod: SourceFile, tree: syntax.File, sched: syntax.Schedule,
+                directives: tuple[Directive, ...]) -> tuple[Directive, ...]:
+    """DIRECTIVES with each each_layer(...) replaced by the repeated block's schedule written
+    once per layer (schedule/each_layer.py)."""
+    from coconetc.schedule.each_layer import EachLayer, expand
+    from coconetc.schedule.pipeline import repeat_of
+    from coconetc.ir.layers import layer_ranges
+    out: list[Directive] = []
+    for d in directives:
+        if not isinstance(d, EachLayer):
+            out.append(d)
+            continue
+        if sched.grad:
+            raise CompileError.at(d.at("()"), "each_layer(): a directive of a program's schedule, not of its "
+                                  f"derived program's (schedule ... for {sched.program})")
+        p = mod.programs[sched.target]
+        repeat = repeat_of(p, d, "each_layer")
+        block, result, body = _repeated(mod, tree, sched.program, repeat, d)
+        out += expand(d, repeat, len(layer_ranges(p, repeat)), block, result, from_ast(body))
+    return tuple(out)
+
+
+def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, d) -> tuple[str, str, tuple]:
+    """For `REPEAT = repeat(block, ...)` in PROGRAM (of TREE): the block's name, the stage it
+    returns and the body of its schedule d.schedule (in TREE, or in the file it is imported from)."""
+    from coconetc.paths import import_path
+    prog = next(pr for pr in tree.programs if pr.name == program)
+    call = next(st.value for st in prog.body if isinstance(st, syntax.Assign) and isinstance(st.value, syntax.Call)
+                and st.value.fn == "repeat" and [t.id for t in st.targets] == [repeat])
+    block = call.args[0].id if call.args and isinstance(call.args[0], syntax.Name) else ""
+    trees = [tree]
+    for imp in tree.imports:
+        try:
+            trees.append(parse(import_path(mod.file, imp.path.text).read_text(), imp.path.text))
+        except (OSError, CompileError):
+            continue  # (reported by _imports)
+    for t in trees:
+        defined = next((pr for pr in t.programs if pr.name == block), None)
+        if defined is None:
+            continue
+        result = next((st.items[0].name.id for st in defined.body if isinstance(st, syntax.Return) and st.items), "")
+        names = [s.name for s in t.schedules if s.program == block and not s.grad]
+        found = next((s for s in t.schedules if s.program == block and not s.grad and s.name == d.schedule), None)
+        if found is None or found.body is None:
+            raise CompileError.at(d.at("block_schedule="), f"each_layer(): {block} (the block {repeat} repeats) has no "
+                                  f"schedule '{d.schedule}' (its schedules: {', '.join(names) or 'none'})")
+        return block, result, found.body
+    raise CompileError.at(d.at("()"), f"each_layer(): {repeat} repeats {block or 'a block'}, which is not a "
+                          "program of this file or of a file it imports")
+
+
+def _stage_schedules(p: Program, directives: tuple[Directive, ...], schedule: str) -> list[ScheduleIR]:
+    """Where DIRECTIVES hold a pipeline(...): each virtual stage's schedule SCHEDULE: its program
+    (schedule/pipeline.py stage_program) under the directives beside the pipeline that name its
+    stages (schedule/stage_directives.py); only the stages that have any. [] without one."""
+    from coconetc.schedule.pipeline import cut, directive, stage_name, stage_program
+    from coconetc.schedule.stage_directives import stage_directives
+    d = directive(directives)
+    if d is None:
+        return []
+    c = cut(p, d)
+    out = []
+    for k, mine in enumerate(stage_directives(p, c, directives)):
+        if mine:
+            sp = stage_program(p, c, k, stage_name(p.name, schedule, k))
+            out.append(ScheduleIR(schedule, sp.name, tuple(mine), apply_all(sp, mine)))
+    return out
 
 
 def _nothing_left(err: CompileError, program: Program, directives: tuple[Directive, ...], at: int, name: str,

@@ -114,6 +114,7 @@ EXEMPT = {
     ("language.md", "y = gpt_block_sp(x, ln1_w, ln1_b, wq, bq, wk, wv, bv, wo, bo, ln2_w, ln2_b, w_fc, b_fc, w_proj, "
                     "b_proj,"): "a grammar excerpt (calls; examples/gpt_pipeline.ccn makes one)",
     ("language.md", 'from "gpt_block.ccn" import gpt_block'): "a grammar excerpt (examples/gpt_pipeline.ccn's line)",
+    ("pipeline.md", "schedule pp_1f1b for gpt {"): "an excerpt of examples/gpt_pipeline.ccn (EXCERPTS)",
     ("language.md", "y = repeat(f, x, a1, a2, ...)"): "a grammar excerpt",
     ("language.md", "op lerp(a, b, t) = a + t * (b - a)"):
         "an excerpt of tests/programs/custom_ops.ccn (EXCERPTS; tests/test_custom_ops.py runs it)",
@@ -192,6 +193,7 @@ EXCERPTS = {
                     "batch row;"): "examples/tp_mlp.ccn",
     ("autodiff.md", "schedule fused for grad(tp_block) {"): "examples/tp_mlp.ccn",
     ("language.md", "op lerp(a, b, t) = a + t * (b - a)"): "tests/programs/custom_ops.ccn",
+    ("pipeline.md", "schedule pp_1f1b for gpt {"): "examples/gpt_pipeline.ccn",
     ("language.md", "extern op rmsnorm(x, w, eps) {"): "examples/extern_ops.ccn",
     ("sharded.md", "program sharded_mlp(x: f32[B, H] sliced(0), w1: f32[H, F] sliced(0), w2: f32[F, H] sliced(0)) {"):
         "examples/sharded_mlp.ccn",

@@ -122,6 +122,113 @@ def test_an_illegal_pipeline_schedule_is_refused_at_its_place(line: str, at: str
     assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(line)) + 1, 5 + line.index(at)), d
 
 
+@pytest.mark.parametrize("lines, at, says", [
+    (["pipeline(stages=2, stages=4, microbatches=4)"], (0, "stages=4"), "pipeline() got 'stages' twice"),
+    (["pipeline(stages=2, microbatches=4)", "pipeline(stages=4, microbatches=4)"], (1, "pipeline"),
+     "pipeline(): one a schedule (the first is at line"),
+    (["pipeline(stages=2, microbatches=4)", "slice(x)"], (1, "slice"),
+     "slice(): beside pipeline(...) a schedule holds directives of stages"),
+])
+def test_a_pipeline_stands_alone_in_its_schedule(lines: list[str], at: tuple[int, str], says: str) -> None:
+    """A keyword given twice, a second pipeline(), or a directive beside it that no stage's
+    program would take (a slice) is refused at its place."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    src = _schedule("\n    ".join(lines))
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert says in d.message, d.message
+    row, word = at
+    assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(lines[0])) + 1 + row,
+                                         5 + lines[row].index(word)), d
+
+
+BLOCK_SCHEDULE = """
+schedule sliced for blk {
+    rs, ag = split(s)
+    ag_y = reorder(ag, y)
+}
+"""
+
+
+def test_each_layer_writes_the_blocks_schedule_out_and_each_stage_takes_its_layers() -> None:
+    """each_layer(block_schedule="sliced") is the block's schedule written out once per layer
+    (its names the layer's; the last layer's result `y`): the same scheduled program as the
+    directives written by hand. Beside a pipeline each virtual stage's program takes its layers'
+    directives as its schedule of the same name, which its training cut's forward keeps."""
+    from coconetc.sourcefile import load_source, with_grads
+    by_hand = "\n    ".join(f"y__l{k}__rs, y__l{k}__ag = split(y__l{k}__s)\n    "
+                             f"y__l{k}__ag_y = reorder(y__l{k}__ag, {'y' if k == 3 else f'y__l{k}__y'})"
+                             for k in range(4))
+    cut = "pipeline(stages=2, microbatches=4, layers=[3, 1])"
+    src = (_schedule(f'each_layer(block_schedule="sliced")\n    {cut}') + BLOCK_SCHEDULE
+           + f"schedule hand for model {{\n    {by_hand}\n    {cut}\n}}\n")
+    mod = load_source(src)
+    ours, hand = mod.schedule("model", "pp"), mod.schedule("model", "hand")
+    assert ours.directives == hand.directives and ours.ir == hand.ir
+    assert any(s.name == "y__l3__ag_y" for s in ours.ir.stages)
+    full = with_grads(mod, ["model@pp:x"])
+    for k, layers in ((0, (0, 1, 2)), (1, (3,))):
+        stage = full.schedule(f"model_pp_stage{k}", "pp")
+        assert [d.stage for d in stage.directives if hasattr(d, "rs")] == [f"y__l{n}__s" for n in layers]
+        assert "pp" in full.schedules[f"model_pp_stage{k}_fwd"]
+
+
+@pytest.mark.parametrize("lines, at, says", [
+    (['each_layer(block_schedule="fused")'], '"fused"',
+     "blk (the block y repeats) has no schedule 'fused' (its schedules: sliced)"),
+    (["y__l1__rs, y__l1__ag = split(y__l1__s)", 'each_layer(block_schedule="sliced")'], "each_layer",
+     "each_layer(): the block's schedule 'sliced', written out for each layer, is refused: split on "
+     "'y__l1__s'"),
+    (['each_layer(block_schedule="sliced")'] * 2, "each_layer", "split on 'y__l0__s'"),
+])
+def test_each_layer_is_refused_at_its_place(lines: list[str], at: str, says: str) -> None:
+    """A block schedule the block lacks is refused at the argument, naming those it has; one of
+    its directives that the model refuses (a layer split by hand already; the schedule twice),
+    at the each_layer(...), saying it is that."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    src = _schedule("\n    ".join(lines)) + BLOCK_SCHEDULE
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert says in d.message, d.message
+    row = max(i for i, ln in enumerate(lines) if at in ln)
+    assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index(lines[0])) + 1 + row,
+                                         5 + lines[row].index(at)), d
+
+
+def test_a_directive_beside_a_pipeline_stays_within_one_stage() -> None:
+    """A legal fusion of the last stage of layer 2 and the first of layer 3 is refused where
+    the cut falls between them, saying how to keep both in one stage, and accepted with that cut."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    src = """program blk(x: f64[B, H] replicated, w: f64[H, H] replicated) {
+    a = relu(x)
+    s = matmul(a, w)
+    y = x + s
+    return y
+}
+
+program model(x: f64[B, H] replicated, w: f64[4, H, H] replicated) {
+    y = repeat(blk, x, w)
+    return y
+}
+
+schedule cross for model {
+    f = fuse(y__l2__y, y__l3__a)
+    pipeline(stages=2, microbatches=4, layers=[3, 1])
+}
+"""
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert "names y__l2__y (virtual stage 0) and y__l3__a (virtual stage 1)" in d.message, d.message
+    assert "with layers=[...]" in d.message and (d.span.line, d.span.col) == (14, 9), d
+    load_source(src.replace("layers=[3, 1]", "layers=[2, 2]"))
+
+
 @pytest.mark.parametrize("line", ['pipeline(stages=2, microbatches=8, order="gpipe", max_activations=4)',
                                   'pipeline(stages=4, microbatches=8, order="1f1b", max_activations=2)',
                                   'pipeline(stages=2, microbatches=4, order="interleaved", max_activations=2)'])

@@ -14,6 +14,7 @@ import os
 import re
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,11 +58,20 @@ def steps(mod: SourceFile, prog: str, sched: str | None) -> tuple[str, Program]:
     one; and the final program."""
     ir = mod.programs[prog]
     sections = [f"## program {prog}\n{printer.program(ir)}"]
-    directives = mod.schedule(prog, sched).directives if sched else ()
-    for d in directives:
-        ir = apply(ir, d)
+    for d, applied in _written(mod, prog, sched):
+        for x in applied:
+            ir = apply(ir, x)
         sections.append(f"## after {directive_text(d)}\n{printer.program(ir)}")
     return "\n".join(sections), ir
+
+
+def _written(mod: SourceFile, prog: str, sched: str | None) -> list[tuple[Any, list[Any]]]:
+    """The schedule's directives as written, each with those it stands for (an each_layer(...):
+    the block's schedule written out for every layer, the directives of its span)."""
+    if not sched:
+        return []
+    s = mod.schedule(prog, sched)
+    return [(d, [x for x in s.directives if x.span == d.span]) for d in (s.written or s.directives)]
 
 
 def _header(path: Path, prog: str, sched: str | None) -> str:
@@ -112,7 +122,7 @@ def test_no_stale_golden_files() -> None:
 def test_directive_text_matches_the_source_line() -> None:
     """The golden headers name each directive as the schedule wrote it."""
     for path, prog, sched in CASES:
-        for d in _module(path).schedule(prog, sched).directives if sched else ():
+        for d, _ in _written(_module(path), prog, sched):
             line = d.span.source.splitlines()[d.span.line - 1].split("#")[0].strip()
             assert directive_text(d) == re.sub(r"\s+", " ", line), (path, d)
 

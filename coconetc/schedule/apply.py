@@ -8,6 +8,7 @@ from typing import Any
 
 from coconetc.ir.nodes import Program
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
+from coconetc.schedule.each_layer import WORD
 from coconetc.schedule.fusion import fuse, overlap
 from coconetc.schedule.pipeline import Pipeline, check as pipeline
 from coconetc.schedule.prefetch import KeepGathered, Prefetch, check as prefetch, check_keep
@@ -17,8 +18,7 @@ from coconetc.ir.verify import verify_program
 _APPLY: dict[type, Callable[[Program, Any], Program]] = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse,
                                                          OverlapD: overlap, Pipeline: pipeline, Prefetch: prefetch,
                                                          KeepGathered: check_keep}
-_NAME = {Split: "split", Reorder: "reorder", Slice: "slice", Fuse: "fuse", OverlapD: "overlap", Pipeline: "pipeline",
-         Prefetch: "prefetch", KeepGathered: "keep_gathered"}
+_NAME = {cls: WORD[cls.__name__] for cls in _APPLY}
 
 
 def apply(p: Program, d: Directive) -> Program:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.pipeline import orders
+from coconetc.schedule.each_layer import WORD, EachLayer
 from coconetc.schedule.pipeline import Pipeline
 from coconetc.schedule.prefetch import KeepGathered, Prefetch
 
@@ -66,7 +67,7 @@ class OverlapD:
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
-Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline | Prefetch | KeepGathered
+Directive = Split | Reorder | Slice | Fuse | OverlapD | Pipeline | Prefetch | KeepGathered | EachLayer
 
 
 def span_of(d: Directive, key: str) -> Span:
@@ -88,7 +89,7 @@ def _where(targets, call: syntax.Call) -> tuple[tuple[str, Span], ...]:
         spans.setdefault(k.name + "=", k.value.span)
     return tuple(spans.items())
 _ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0),
-          "pipeline": (0, 0), "prefetch": (0, 0), "keep_gathered": (0, 0)}
+          "pipeline": (0, 0), "prefetch": (0, 0), "keep_gathered": (0, 0), "each_layer": (0, 0)}
 _PIPELINE = {"stages", "microbatches", "order", "chunks", "layers", "max_activations"}
 
 
@@ -102,7 +103,25 @@ def from_ast(body: tuple[syntax.Stmt, ...]) -> list[Directive]:
             errors.extend(err.diagnostics)
     if errors:
         raise CompileError(errors)
+    _alone(out)
     return out
+
+
+def _alone(directives: list[Directive]) -> None:
+    """One pipeline(...) a schedule; beside it only directives of stages (split, reorder, fuse,
+    overlap, each_layer), which each virtual stage takes for its layers
+    (schedule/stage_directives.py): a slice, prefetch or keep_gathered would reach no stage."""
+    pipes = [d for d in directives if isinstance(d, Pipeline)]
+    if not pipes:
+        return
+    if len(pipes) > 1:
+        raise _err(span_of(pipes[1], "()"), f"pipeline(): one a schedule (the first is at line {pipes[0].span.line})")
+    other = next((d for d in directives if isinstance(d, (Slice, Prefetch, KeepGathered))), None)
+    if other is not None:
+        fn = WORD[type(other).__name__]
+        raise _err(span_of(other, "()"), f"{fn}(): beside pipeline(...) a schedule holds directives of stages "
+                   "(split, reorder, fuse, overlap, each_layer), which each virtual stage takes for its layers; "
+                   f"a {fn} would reach no stage. Give it a schedule of its own (where the program runs whole)")
 
 
 def _err(span: Span, msg: str) -> CompileError:
@@ -117,13 +136,13 @@ def _directive(stmt: syntax.Stmt) -> Directive:
     if not isinstance(call, syntax.Call) or call.fn not in _ARITY:
         span = call.fn_span if isinstance(call, syntax.Call) else call.span
         raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap, pipeline, prefetch, "
-                         "keep_gathered")
+                         "keep_gathered, each_layer")
     lo, hi = _ARITY[call.fn]
     if not lo <= len(targets) <= hi:
         want = f"{lo}" if lo == hi else f"{lo} to {hi}"
         raise _err(stmt.span, f"{call.fn} defines {want} names, not {len(targets)}")
     names = [_name(a, call) for a in call.args]
-    kws = {k.name: k for k in call.kwargs}
+    kws = _keywords(call)
     outs = tuple(t.id for t in targets)
     where = _where(targets, call)
     keywords_only = _KEYWORDS_ONLY.get(call.fn)
@@ -147,6 +166,16 @@ def _directive(stmt: syntax.Stmt) -> Directive:
         raise _err(call.span, "overlap() needs chunks=k")
     dim = _int(kws["dim"], call, 0) if "dim" in kws else None
     return OverlapD(names[0], names[1], _int(kws["chunks"], call, 1), dim, stmt.span, where)
+
+
+def _keywords(call: syntax.Call) -> dict[str, syntax.Kwarg]:
+    """CALL's keyword arguments by name; an error at one given twice."""
+    kws: dict[str, syntax.Kwarg] = {}
+    for k in call.kwargs:
+        if k.name in kws:
+            raise _err(k.span, f"{call.fn}() got '{k.name}' twice")
+        kws[k.name] = k
+    return kws
 
 
 def _pipeline(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg], span: Span,
@@ -193,8 +222,20 @@ def _keep_gathered(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kw
     return KeepGathered(span, where)
 
 
+def _each_layer(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg], span: Span,
+                where: tuple[tuple[str, Span], ...]) -> EachLayer:
+    _only(call, kws, {"block_schedule"})
+    if len(names) > 1:
+        raise _err(call.span, "each_layer() takes at most one name: the repeat whose layers it schedules")
+    v = kws["block_schedule"].value if "block_schedule" in kws else None
+    if not isinstance(v, syntax.String):
+        raise _err(v.span if v is not None else call.span,
+                   'each_layer() needs block_schedule="s": the name of a schedule of the repeated block')
+    return EachLayer(names[0] if names else None, v.text, span, where)
+
+
 _KEYWORDS_ONLY: dict[str, Callable[..., Directive]] = {"pipeline": _pipeline, "prefetch": _prefetch,
-                                                       "keep_gathered": _keep_gathered}
+                                                       "keep_gathered": _keep_gathered, "each_layer": _each_layer}
 
 
 def _name(a: syntax.Expr, call: syntax.Call) -> str:
@@ -241,6 +282,8 @@ def text(d: Directive) -> str:
         return f"prefetch(depth={d.depth})"
     if isinstance(d, KeepGathered):
         return "keep_gathered()"
+    if isinstance(d, EachLayer):
+        return f'each_layer({d.repeat + ", " if d.repeat else ""}block_schedule="{d.schedule}")'
     if isinstance(d, Pipeline):
         args = [d.repeat] if d.repeat else []
         args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"']

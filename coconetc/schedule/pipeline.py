@@ -17,6 +17,7 @@ keeps to the limit) and the plan shows its timeline."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from coconetc.errors import CompileError, Span
 from coconetc.ir.expr import Expr, Op, Ref, refs, walk
@@ -47,18 +48,20 @@ def directive(directives) -> Pipeline | None:
     return next((d for d in directives if isinstance(d, Pipeline)), None)
 
 
-def repeat_of(p: Program, d: Pipeline) -> str:
-    """The repeat D cuts: the one it names, or p's only one."""
+def repeat_of(p: Program, d: Any, word: str = "pipeline") -> str:
+    """The repeat D (a pipeline or each_layer directive, WORD) is about: the one it names, or
+    p's only one."""
     names = repeats(p)
     if d.repeat is not None:
         if d.repeat not in names:
-            raise CompileError.at(d.at(d.repeat), f"pipeline(): '{d.repeat}' is not a repeat of {p.name} "
+            raise CompileError.at(d.at(d.repeat), f"{word}(): '{d.repeat}' is not a repeat of {p.name} "
                                   f"(its repeats: {', '.join(names) or 'none'})")
         return d.repeat
     if len(names) != 1:
-        why = "has no repeat (`y = repeat(block, x, ...)`) to cut into stages" if not names else \
-            f"has {len(names)} repeats ({', '.join(names)}): name the one to cut, pipeline({names[0]}, ...)"
-        raise CompileError.at(d.at("()"), f"pipeline(): {p.name} {why}")
+        what = "cut into stages" if word == "pipeline" else "schedule"
+        why = f"has no repeat (`y = repeat(block, x, ...)`) to {what}" if not names else \
+            f"has {len(names)} repeats ({', '.join(names)}): name the one to {what}, {word}({names[0]}, ...)"
+        raise CompileError.at(d.at("()"), f"{word}(): {p.name} {why}")
     return names[0]
 
 
@@ -178,7 +181,7 @@ def stage_rows(p: Program, c: Cut, stage: int) -> dict[str, tuple[int, int]]:
     """The rows [first, stop) of each stacked parameter (`w: f32[L, ...]`, read only as layers
     `index(w, l)`) that virtual stage STAGE reads: its program takes that part of the parameter
     (stage_program), and its gradient is that part of the whole one."""
-    lo, hi = _bounds(p, c, stage)
+    lo, hi = stage_bounds(p, c, stage)
     used: dict[str, list[int]] = {}
     other: set[str] = set()
     for st in p.stages[lo:hi]:
@@ -193,7 +196,7 @@ def stage_rows(p: Program, c: Cut, stage: int) -> dict[str, tuple[int, int]]:
     return {n: (min(ks), max(ks) + 1) for n, ks in used.items() if n not in other}
 
 
-def _bounds(p: Program, c: Cut, stage: int) -> tuple[int, int]:
+def stage_bounds(p: Program, c: Cut, stage: int) -> tuple[int, int]:
     """Virtual stage STAGE's stages of p as [lo, hi) indices: its layers' (the first stage also
     those before the repeat, the last those after it)."""
     ranges = layer_ranges(p, c.repeat)
@@ -213,7 +216,7 @@ def stage_program(p: Program, c: Cut, stage: int, name: str | None = None) -> Pr
     if p.updates:
         raise CompileError.at(p.span, f"pipeline(): {p.name} updates its parameters; a pipeline cuts a "
                               "program without update (the optimizer steps after the backward)")
-    lo, hi = _bounds(p, c, stage)
+    lo, hi = stage_bounds(p, c, stage)
     rows = stage_rows(p, c, stage)
     types = {n: replace(p.type_of(n), shape=(b - a, *p.type_of(n).shape[1:])) for n, (a, b) in rows.items()}
 

@@ -581,7 +581,8 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
         s = c.order.stage(rank, k)
         sp = stage_program(p, c, s, stage_name(program, schedule, s))
         block = Block(source, sp.name, comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
-                      input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}", backend=backend)
+                      input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}", backend=backend,
+                      schedule=schedule)  # (the stage's layers' directives beside the pipeline; else none)
         rows = stage_rows(p, c, s)
         mine = {}
         for n in block.weights:

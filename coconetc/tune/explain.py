@@ -678,8 +678,8 @@ def pipeline_text(mod: SourceFile, program: str, schedule: str, ranks: int, give
     for s in range(c.order.stages):
         name = stage_name(program, schedule, s)
 
-        def t(prog: str) -> float:
-            return cost(full.plans[(prog, DEFAULT)], micro, ranks).seconds()
+        def t(prog: str) -> float:  # (under the stage's own schedule where it has one: its layers' directives)
+            return cost(full.plans.get((prog, label.name), full.plans[(prog, DEFAULT)]), micro, ranks).seconds()
         f, b = t(f"{name}_fwd"), t(bwd_name(name))
         bi = t(input_name(name)) if input_name(name) in full.programs else b
         w = t(weight_name(name)) if weight_name(name) in full.programs else 0.0
