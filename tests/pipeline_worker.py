@@ -89,6 +89,7 @@ def main() -> None:
         "loss": lambda: Pipeline([chunk], "gpipe", microbatches=4, comm=comm),
         "chunks": lambda: Pipeline([chunk], "interleaved", microbatches=4, comm=comm, loss_fn=mse),
         "target": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, None),
+        "schedule": lambda: Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF, grad_schedule="overlaped"),
     }
     for name, case in cases.items():
         try:

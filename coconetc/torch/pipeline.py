@@ -88,6 +88,7 @@ class Block:
         self.bwd_weight = mod.programs[weight_name(program)]
         self.bwd_acc = mod.programs[acc_name(bwd_name(program))]
         self.bwd_weight_acc = mod.programs[acc_name(weight_name(program))]
+        self._check_schedules(mod, program)
         # each function's schedule and the names of its outputs, by function (a call's results)
         self._results: dict[str, tuple[str, list[str]]] = {}
         p = self.fwd.program_of(parse(self._sched(self.fwd, schedule)))
@@ -109,6 +110,27 @@ class Block:
         for fn in (self.bwd_acc, self.bwd_weight_acc):
             takes = {q.name for q in fn.program_of(parse("default")).params}
             self.accumulated[fn.name] = {w: accumulator(w) for w in self.weights if accumulator(w) in takes}
+
+    def _check_schedules(self, mod: Any, program: str) -> None:
+        """A schedule that PROGRAM (grad_schedule: its derived program) does not have: a
+        ValueError naming the argument, before anything runs. One it has that does not apply to
+        the cut program a layer runs (it names values the cut lacks): a warning, as
+        coconetc.torch.function gives; that program then runs unscheduled."""
+        import warnings
+
+        from coconetc.sourcefile import grad_name
+        for what, s, whole, cut in (("schedule", self.schedule, program, self.fwd),
+                                    ("grad_schedule", self.grad_schedule, grad_name(program), self.bwd)):
+            if s == "default" or s in cut.schedules:
+                continue
+            has = [n for n in (mod.programs[whole].schedules if whole in mod.programs else ()) if n != "default"]
+            applies = ", ".join(repr(n) for n in cut.schedules if n != "default") or "none but the default"
+            if s not in has:
+                raise ValueError(f"Block: {what}={s!r}: {whole} has no such schedule (its schedules: "
+                                 f"{', '.join(repr(n) for n in has) or 'none but the default'}; those that apply "
+                                 f"to {cut.name}, which a layer runs: {applies})")
+            warnings.warn(f"Block: {what} {s!r} names values {cut.name} does not have, so each layer runs {cut.name} "
+                          f"unscheduled (the schedules that apply to it: {applies})", stacklevel=3)
 
     @staticmethod
     def _sched(fn: Any, schedule: str) -> str:
@@ -560,15 +582,18 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     from mpi4py import MPI
 
     from coconetc.schedule.pipeline import cut, directive, stage_input, stage_name, stage_program, stage_rows
+    from coconetc.schedule.stage_directives import stage_directives
     from coconetc.sourcefile import load_file
     from coconetc.paths import source_path
     source = source_path(source)
     sf = load_file(source)
     p = sf.program(program)
-    d = directive(sf.schedule(program, schedule).directives)
+    directives = sf.schedule(program, schedule).directives
+    d = directive(directives)
     if d is None:
         raise ValueError(f"from_schedule: schedule {schedule} of {program} has no pipeline(...) directive")
     c = cut(p, d)
+    own = stage_directives(p, c, directives)  # each virtual stage's directives (its schedule of this name)
     if comm.Get_size() != c.order.ranks:
         raise ValueError(f"from_schedule: schedule {schedule} has stages={c.order.ranks}; comm has "
                          f"{comm.Get_size()} ranks (one rank of each stage)")
@@ -582,7 +607,8 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
         sp = stage_program(p, c, s, stage_name(program, schedule, s))
         block = Block(source, sp.name, comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
                       input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}", backend=backend,
-                      schedule=schedule)  # (the stage's layers' directives beside the pipeline; else none)
+                      # its layers' directives beside the pipeline, where it has any
+                      schedule=schedule if own[s] else "default")
         rows = stage_rows(p, c, s)
         mine = {}
         for n in block.weights:
