@@ -29,6 +29,7 @@ from coconetc.plan import Plan, plan_program
 from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive, Fuse
+from coconetc.schedule.each_layer import Layers
 from coconetc.schedule.fusion import FUSE_ADVICE, REORDER_FIRST_ADVICE
 from coconetc.schedule.prefetch import keep_refused, keeps_gathered
 
@@ -461,24 +462,26 @@ def _each_layer(mod: SourceFile, tree: syntax.File, sched: syntax.Schedule,
         if not isinstance(d, EachLayer):
             out.append(d)
             continue
-        if sched.grad:
-            raise CompileError.at(d.at("()"), "each_layer(): a directive of a program's schedule, not of its "
-                                  f"derived program's (schedule ... for {sched.program})")
-        p = mod.programs[sched.target]
+        p = mod.programs[sched.program]  # (in a schedule of grad(p), the layers are p's)
         repeat = repeat_of(p, d, "each_layer")
-        block, result, body = _repeated(mod, tree, sched.program, repeat, d)
-        out += expand(d, repeat, len(layer_ranges(p, repeat)), block, result, from_ast(body))
+        block, at, body, forward = _repeated(mod, tree, sched.program, repeat, len(layer_ranges(p, repeat)), d,
+                                             sched.grad)
+        out += expand(d, at, block, from_ast(body), forward if sched.grad else None)
     return tuple(out)
 
 
-def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, d) -> tuple[str, str, tuple]:
-    """For `REPEAT = repeat(block, ...)` in PROGRAM (of TREE): the block's name, the stage it
-    returns and the body of its schedule d.schedule (in TREE, or in the file it is imported from)."""
+def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, layers: int, d,
+              grad: bool) -> tuple[str, Layers, tuple, frozenset[str]]:
+    """For `REPEAT = repeat(block, ...)` in PROGRAM (of TREE): the block's name, how its names
+    are renamed in each of the LAYERS, the body of its schedule d.schedule (of its derived
+    program where GRAD; in TREE, or in the file it is imported from) and the block's names
+    (parameters and stages)."""
     from coconetc.paths import import_path
     prog = next(pr for pr in tree.programs if pr.name == program)
     call = next(st.value for st in prog.body if isinstance(st, syntax.Assign) and isinstance(st.value, syntax.Call)
                 and st.value.fn == "repeat" and [t.id for t in st.targets] == [repeat])
     block = call.args[0].id if call.args and isinstance(call.args[0], syntax.Name) else ""
+    source = call.args[1].id if len(call.args) > 1 and isinstance(call.args[1], syntax.Name) else None
     trees = [tree]
     for imp in tree.imports:
         try:
@@ -490,12 +493,16 @@ def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, d) 
         if defined is None:
             continue
         result = next((st.items[0].name.id for st in defined.body if isinstance(st, syntax.Return) and st.items), "")
-        names = [s.name for s in t.schedules if s.program == block and not s.grad]
-        found = next((s for s in t.schedules if s.program == block and not s.grad and s.name == d.schedule), None)
+        names = [s.name for s in t.schedules if s.program == block and s.grad == grad]
+        found = next((s for s in t.schedules if s.program == block and s.grad == grad and s.name == d.schedule), None)
         if found is None or found.body is None:
-            raise CompileError.at(d.at("block_schedule="), f"each_layer(): {block} (the block {repeat} repeats) has no "
-                                  f"schedule '{d.schedule}' (its schedules: {', '.join(names) or 'none'})")
-        return block, result, found.body
+            whose = f"grad({block})" if grad else f"{block} (the block {repeat} repeats)"
+            raise CompileError.at(d.at("block_schedule="), f"each_layer(): {whose} has no schedule "
+                                  f"'{d.schedule}' (its schedules: {', '.join(names) or 'none'})")
+        forward = frozenset([q.name for q in defined.params] + [tg.id for st in defined.body
+                                                                if isinstance(st, syntax.Assign) for tg in st.targets])
+        at = Layers(repeat, layers, result, defined.params[0].name if defined.params else "", source)
+        return block, at, found.body, forward
     raise CompileError.at(d.at("()"), f"each_layer(): {repeat} repeats {block or 'a block'}, which is not a "
                           "program of this file or of a file it imports")
 

@@ -177,6 +177,27 @@ def test_each_layer_writes_the_blocks_schedule_out_and_each_stage_takes_its_laye
         assert "pp" in full.schedules[f"model_pp_stage{k}_fwd"]
 
 
+def test_each_layer_of_a_derived_program_renames_cotangents_as_the_derivation_names_them() -> None:
+    """In a schedule of grad(model), each_layer writes out the block's derived program's
+    schedule: a cotangent `g_<value>...` of the block becomes `g_<the layer's value>...`, the
+    carried input's that of the layer before's result (layer 0's: the model's input), as the
+    model's derivation names them; a value the derivation numbers (`g_allgather2`, numbered
+    otherwise in each layer) is refused at the argument."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source
+    grad = "schedule splitx for grad(blk) {\n    rs, ag = split(g_x)\n}\n"
+    each = "schedule each for grad(model) {\n    each_layer(block_schedule=\"splitx\")\n}\n"
+    mod = load_source(MODEL + grad + each)
+    got = [(d.stage, d.rs) for d in mod.schedule("model_grad", "each").directives]
+    assert got == [("g_x", "y__l0__rs"), ("g_y__l0__y", "y__l1__rs"), ("g_y__l1__y", "y__l2__rs"),
+                   ("g_y__l2__y", "y__l3__rs")]
+    with pytest.raises(CompileError) as err:
+        load_source(MODEL + grad.replace("g_x", "g_allgather2") + each)
+    said = [d.message for d in err.value.diagnostics]
+    assert any("grad(blk)'s schedule 'splitx' names g_allgather2, a value the derivation numbers" in m
+               for m in said), said
+
+
 @pytest.mark.parametrize("lines, at, says", [
     (['each_layer(block_schedule="fused")'], '"fused"',
      "blk (the block y repeats) has no schedule 'fused' (its schedules: sliced)"),
