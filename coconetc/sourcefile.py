@@ -477,9 +477,13 @@ def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, lay
     program where GRAD; in TREE, or in the file it is imported from) and the block's names
     (parameters and stages)."""
     from coconetc.paths import import_path
-    prog = next(pr for pr in tree.programs if pr.name == program)
-    call = next(st.value for st in prog.body if isinstance(st, syntax.Assign) and isinstance(st.value, syntax.Call)
-                and st.value.fn == "repeat" and [t.id for t in st.targets] == [repeat])
+    prog = next((pr for pr in tree.programs if pr.name == program), None)
+    call = next((st.value for st in (prog.body if prog else ()) if isinstance(st, syntax.Assign)
+                 and isinstance(st.value, syntax.Call) and st.value.fn == "repeat"
+                 and [t.id for t in st.targets] == [repeat]), None)
+    if call is None:
+        raise CompileError.at(d.at("()"), f"each_layer(): {program} does not write {repeat} as `{repeat} = "
+                              "repeat(block, ...)` in its own body (a repeat of a program it calls is that program's)")
     block = call.args[0].id if call.args and isinstance(call.args[0], syntax.Name) else ""
     source = call.args[1].id if len(call.args) > 1 and isinstance(call.args[1], syntax.Name) else None
     trees = [tree]
