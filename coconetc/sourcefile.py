@@ -72,6 +72,8 @@ class SourceFile:
     # derived programs (docs/autodiff.md): `<p>_grad`, `<p>_fwd`, `<p>_bwd` -> p, the program
     # they differentiate
     derived: dict[str, str] = field(default_factory=dict)
+    # with_grads: the schedules of pipeline stages' derived programs, by program, until derived
+    pending: dict[str, ScheduleIR] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
         if name is None:  # the file's only program (its derived programs do not count)
@@ -230,7 +232,7 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     (`<p>_<s>_stage<k>`: schedule/pipeline.py, stage_program), each derived and cut at the
     activation it receives (x, p's parameter, on stage 0)."""
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
-                  plans=dict(mod.plans), derived=dict(mod.derived))
+                  plans=dict(mod.plans), derived=dict(mod.derived), pending={})
     todo = list(programs)
     while todo:
         entry = todo.pop(0)
@@ -248,6 +250,8 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
                              f"got {acc.strip()!r}")
         new.program(p)  # a KeyError naming the file's programs
         grad = _derive(new, p)
+        if grad in new.pending:  # a pipeline stage's backward under its layers' directives
+            _add_schedule(new, new.pending.pop(grad))
         _split(new, p, grad)
         if inputs:
             xs = tuple(x.strip() for x in inputs.split(","))
@@ -259,6 +263,12 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
                 for ir in (new.programs[bwd_name(p)], cut.weight_grad):
                     _add_derived(new, accumulating(ir, weights), p, grad)
     return new
+
+
+def _add_schedule(mod: SourceFile, sched: ScheduleIR) -> None:
+    assert sched.ir is not None
+    mod.schedules[sched.program][sched.name] = sched
+    mod.plans[(sched.program, sched.name)] = plan_program(sched.ir, sched.name)
 
 
 def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
@@ -273,7 +283,7 @@ def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
         raise CompileError.at(p.span, f"schedule {schedule} of {program} has no pipeline(...) directive")
     c = cut(p, d)
     entries = []
-    scheduled = {s.program: s for s in _stage_schedules(p, mod.schedule(program, schedule).directives, schedule)}
+    scheduled = stage_schedules(mod, program, schedule)
     for k in range(c.order.stages):
         sp = stage_program(p, c, k, stage_name(program, schedule, k))
         if sp.name not in mod.programs:
@@ -282,9 +292,9 @@ def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
             mod.schedules[sp.name] = {}
             mod.derived[sp.name] = program
             if sp.name in scheduled:  # its layers' directives: the stage's own schedule of the same name
-                mod.schedules[sp.name][schedule] = own = scheduled[sp.name]
-                assert own.ir is not None
-                mod.plans[(sp.name, schedule)] = plan_program(own.ir, schedule)
+                _add_schedule(mod, scheduled[sp.name])
+            if grad_name(sp.name) in scheduled:  # (the stage's derived program's, once with_grads derives it)
+                mod.pending[grad_name(sp.name)] = scheduled[grad_name(sp.name)]
         entries.append(f"{sp.name}:{stage_input(p, sp, k, first or 'x')}")
     return entries
 
@@ -431,11 +441,25 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
     try:
         ir = apply_all(mod.programs[sched.target], directives)
         mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
-        _stage_schedules(mod.programs[sched.target], directives, sched.name)  # (checked: each applies)
+        _check_stages(mod, sched, directives, ir)
     except CompileError as err:
         raise _written_out(_settled(err, mod.programs[sched.target], directives, sched.name), written) from None
     known[sched.name] = ScheduleIR(sched.name, sched.target, directives, ir,
                                    written if written != directives else None)
+
+
+def _check_stages(mod: SourceFile, sched: syntax.Schedule, directives: tuple[Directive, ...], ir: Program) -> None:
+    """A pipeline schedule's stages' schedules (stage_schedules), checked when the later of a
+    program's schedule s and grad(p)'s schedule s is: each applies to its stage's program."""
+    from coconetc.schedule.pipeline import directive
+    if sched.grad:
+        if sched.name not in mod.schedules.get(sched.program, {}):
+            return  # (checked with the program's schedule s, if the file has one, after this)
+    elif directive(directives) is None:
+        return
+    trial = replace(mod, schedules={**mod.schedules, sched.target: {
+        **mod.schedules.get(sched.target, {}), sched.name: ScheduleIR(sched.name, sched.target, directives, ir)}})
+    stage_schedules(trial, sched.program, sched.name)
 
 
 def _written_out(err: CompileError, written: tuple[Directive, ...]) -> CompileError:
@@ -511,22 +535,63 @@ def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, lay
                           "program of this file or of a file it imports")
 
 
-def _stage_schedules(p: Program, directives: tuple[Directive, ...], schedule: str) -> list[ScheduleIR]:
-    """Where DIRECTIVES hold a pipeline(...): each virtual stage's schedule SCHEDULE: its program
-    (schedule/pipeline.py stage_program) under the directives beside the pipeline that name its
-    stages (schedule/stage_directives.py); only the stages that have any. [] without one."""
+def stage_schedules(mod: SourceFile, program: str, schedule: str) -> dict[str, ScheduleIR]:
+    """Where PROGRAM's schedule SCHEDULE holds a pipeline(...): the schedules SCHEDULE of its
+    virtual stages' programs (`<p>_<s>_stage<k>`: schedule/pipeline.py stage_program), each the
+    stage under the directives beside the pipeline that name its stages
+    (schedule/stage_directives.py), and, where grad(PROGRAM) has a schedule SCHEDULE too, of
+    their derived programs (`<stage>_grad`), each under that schedule's directives that name
+    its values; by program name, only those that have any. {} without a pipeline."""
     from coconetc.schedule.pipeline import cut, directive, stage_name, stage_program
     from coconetc.schedule.stage_directives import stage_directives
-    d = directive(directives)
-    if d is None:
-        return []
+    sched = mod.schedules.get(program, {}).get(schedule)
+    d = directive(sched.directives) if sched is not None else None
+    if sched is None or d is None:
+        return {}
+    p = mod.programs[program]
     c = cut(p, d)
-    out = []
-    for k, mine in enumerate(stage_directives(p, c, directives)):
+    stages = [stage_program(p, c, k, stage_name(program, schedule, k)) for k in range(len(c.layers))]
+    out = {}
+    for sp, mine in zip(stages, stage_directives(p, c, sched.directives)):
         if mine:
-            sp = stage_program(p, c, k, stage_name(p.name, schedule, k))
-            out.append(ScheduleIR(schedule, sp.name, tuple(mine), apply_all(sp, mine)))
+            out[sp.name] = ScheduleIR(schedule, sp.name, tuple(mine), apply_all(sp, mine))
+    grad = mod.schedules.get(grad_name(program), {}).get(schedule)
+    if grad is not None and grad.directives:
+        backs = [vjp(sp, name=grad_name(sp.name)) for sp in stages]
+        for q, mine in zip(backs, stage_grad_directives(backs, grad.directives, program, schedule)):
+            if mine:
+                out[q.name] = ScheduleIR(schedule, q.name, tuple(mine), apply_all(q, mine))
     return out
+
+
+def stage_grad_directives(backs: list[Program], directives: tuple[Directive, ...], program: str,
+                          schedule: str) -> list[list[Directive]]:
+    """grad(PROGRAM)'s schedule SCHEDULE's DIRECTIVES for each of the stages' derived programs
+    BACKS: each goes to the one that holds every value it names (those an earlier directive
+    there defines count); an error at one that no one holds."""
+    from coconetc.schedule.directives import span_of
+    from coconetc.schedule.each_layer import DEFINES, NAMED, WORD
+    held = [{st.name for st in q.stages} | {x.name for x in q.params} for q in backs]
+    out: list[list[Directive]] = [[] for _ in backs]
+    for x in directives:
+        kind = type(x).__name__
+        names = [(f, n) for f in NAMED.get(kind, ()) for n in _names_in(getattr(x, f))]
+        reads = [n for f, n in names if f not in DEFINES[kind]]
+        ks = [k for k, h in enumerate(held) if all(n in h for n in reads)]
+        if len(ks) != 1:
+            raise CompileError.at(span_of(x, "()"), f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into "
+                                  f"pipeline stages, so grad({program})'s schedule {schedule} schedules each stage's "
+                                  f"backward, and {'no' if not ks else 'more than one'} stage's derived program "
+                                  f"holds all of {', '.join(reads) or 'its values'}: cut the layers so that one "
+                                  "stage holds them (layers=[...]), or leave the directive out (`coconetc show FILE "
+                                  f"-p {program} --grad` prints the derived program's names)")
+        out[ks[0]].append(x)
+        held[ks[0]] |= {n for f, n in names if f in DEFINES[kind]}
+    return out
+
+
+def _names_in(v) -> tuple[str, ...]:
+    return () if v is None else v if isinstance(v, tuple) else (v,)
 
 
 def _nothing_left(err: CompileError, program: Program, directives: tuple[Directive, ...], at: int, name: str,

@@ -177,6 +177,31 @@ def test_each_layer_writes_the_blocks_schedule_out_and_each_stage_takes_its_laye
         assert "pp" in full.schedules[f"model_pp_stage{k}_fwd"]
 
 
+def test_a_pipelines_stages_backward_takes_its_layers_directives_of_the_grad_schedule() -> None:
+    """grad(model)'s schedule of a pipeline schedule's name schedules each stage's backward:
+    each of its directives goes to the stage whose derived program holds its values, which
+    keeps it, as do its training cut's backward and the zero-bubble order's input-gradient
+    program; one that no stage holds (a fusion across the cut) is refused at its line, and
+    accepted with the cut moved as the error says."""
+    from coconetc.errors import CompileError
+    from coconetc.sourcefile import load_source, with_grads
+    grad = "schedule splitx for grad(blk) {\n    rs, ag = split(g_x)\n}\n"
+    each = "schedule pp for grad(model) {\n    each_layer(block_schedule=\"splitx\")\n}\n"
+    cut = 'pipeline(stages=2, microbatches=4, order="zero_bubble", layers=[3, 1])'
+    full = with_grads(load_source(_schedule(cut) + grad + each), ["model@pp:x+acc"])
+    for k, split in ((0, ["g_x", "g_y__l0__y", "g_y__l1__y"]), (1, ["g_y__l2__y"])):
+        for prog in ("grad", "bwd", "bwd_input", "bwd_acc"):
+            assert [d.stage for d in full.schedule(f"model_pp_stage{k}_{prog}", "pp").directives] == split
+    across = "schedule pp for grad(model) {\n    f = fuse(g_y__l1__y, g_y__l1__y2)\n}\n"
+    src = _schedule(cut.replace("[3, 1]", "[2, 2]")) + across
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert "no stage's derived program holds all of g_y__l1__y, g_y__l1__y2: cut the layers" in d.message, d
+    assert d.span.line == src.count("\n", 0, src.index("f = fuse")) + 1
+    load_source(_schedule(cut) + across)
+
+
 def test_each_layer_of_a_derived_program_renames_cotangents_as_the_derivation_names_them() -> None:
     """In a schedule of grad(model), each_layer writes out the block's derived program's
     schedule: a cotangent `g_<value>...` of the block becomes `g_<the layer's value>...`, the

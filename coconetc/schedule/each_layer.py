@@ -94,7 +94,7 @@ def expand(d: EachLayer, at: Layers, block: str, directives: Any, forward: froze
 
 
 # the fields of NAMED that hold names a directive defines
-_DEFINES = {"Split": ("rs", "ag"), "Reorder": ("outs",), "Fuse": ("name",), "OverlapD": ()}
+DEFINES = {"Split": ("rs", "ag"), "Reorder": ("outs",), "Fuse": ("name",), "OverlapD": ()}
 
 
 def _numbered(d: EachLayer, block: str, directives: Any, forward: frozenset[str]) -> None:
@@ -107,7 +107,7 @@ def _numbered(d: EachLayer, block: str, directives: Any, forward: frozenset[str]
         for f in NAMED[kind]:
             v = getattr(d2, f)
             for n in () if v is None else v if isinstance(v, tuple) else (v,):
-                if f in _DEFINES[kind]:
+                if f in DEFINES[kind]:
                     defined.add(n)
                 elif n not in defined and n not in forward and _made_of(n, forward) is None:
                     raise CompileError.at(d.at("block_schedule="), f"each_layer(): grad({block})'s schedule "

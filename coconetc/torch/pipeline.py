@@ -582,8 +582,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     from mpi4py import MPI
 
     from coconetc.schedule.pipeline import cut, directive, stage_input, stage_name, stage_program, stage_rows
-    from coconetc.schedule.stage_directives import stage_directives
-    from coconetc.sourcefile import load_file
+    from coconetc.sourcefile import grad_name, load_file, stage_schedules
     from coconetc.paths import source_path
     source = source_path(source)
     sf = load_file(source)
@@ -593,7 +592,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     if d is None:
         raise ValueError(f"from_schedule: schedule {schedule} of {program} has no pipeline(...) directive")
     c = cut(p, d)
-    own = stage_directives(p, c, directives)  # each virtual stage's directives (its schedule of this name)
+    own = stage_schedules(sf, program, schedule)  # the stages' (and their backwards') schedules of this name
     if comm.Get_size() != c.order.ranks:
         raise ValueError(f"from_schedule: schedule {schedule} has stages={c.order.ranks}; comm has "
                          f"{comm.Get_size()} ranks (one rank of each stage)")
@@ -607,8 +606,9 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
         sp = stage_program(p, c, s, stage_name(program, schedule, s))
         block = Block(source, sp.name, comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
                       input=stage_input(p, sp, s, input), derive=f"{program}@{schedule}:{input}", backend=backend,
-                      # its layers' directives beside the pipeline, where it has any
-                      schedule=schedule if own[s] else "default")
+                      # its layers' directives (beside the pipeline; grad(program)'s), where it has any
+                      schedule=schedule if sp.name in own else "default",
+                      grad_schedule=schedule if grad_name(sp.name) in own else "default")
         rows = stage_rows(p, c, s)
         mine = {}
         for n in block.weights:
