@@ -543,7 +543,7 @@ def stage_schedules(mod: SourceFile, program: str, schedule: str) -> dict[str, S
     their derived programs (`<stage>_grad`), each under that schedule's directives that name
     its values; by program name, only those that have any. {} without a pipeline."""
     from coconetc.schedule.pipeline import cut, directive, stage_name, stage_program
-    from coconetc.schedule.stage_directives import stage_directives
+    from coconetc.schedule.stage_directives import stage_directives, stage_grad_directives
     sched = mod.schedules.get(program, {}).get(schedule)
     d = directive(sched.directives) if sched is not None else None
     if sched is None or d is None:
@@ -562,36 +562,6 @@ def stage_schedules(mod: SourceFile, program: str, schedule: str) -> dict[str, S
             if mine:
                 out[q.name] = ScheduleIR(schedule, q.name, tuple(mine), apply_all(q, mine))
     return out
-
-
-def stage_grad_directives(backs: list[Program], directives: tuple[Directive, ...], program: str,
-                          schedule: str) -> list[list[Directive]]:
-    """grad(PROGRAM)'s schedule SCHEDULE's DIRECTIVES for each of the stages' derived programs
-    BACKS: each goes to the one that holds every value it names (those an earlier directive
-    there defines count); an error at one that no one holds."""
-    from coconetc.schedule.directives import span_of
-    from coconetc.schedule.each_layer import DEFINES, NAMED, WORD
-    held = [{st.name for st in q.stages} | {x.name for x in q.params} for q in backs]
-    out: list[list[Directive]] = [[] for _ in backs]
-    for x in directives:
-        kind = type(x).__name__
-        names = [(f, n) for f in NAMED.get(kind, ()) for n in _names_in(getattr(x, f))]
-        reads = [n for f, n in names if f not in DEFINES[kind]]
-        ks = [k for k, h in enumerate(held) if all(n in h for n in reads)]
-        if len(ks) != 1:
-            raise CompileError.at(span_of(x, "()"), f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into "
-                                  f"pipeline stages, so grad({program})'s schedule {schedule} schedules each stage's "
-                                  f"backward, and {'no' if not ks else 'more than one'} stage's derived program "
-                                  f"holds all of {', '.join(reads) or 'its values'}: cut the layers so that one "
-                                  "stage holds them (layers=[...]), or leave the directive out (`coconetc show FILE "
-                                  f"-p {program} --grad` prints the derived program's names)")
-        out[ks[0]].append(x)
-        held[ks[0]] |= {n for f, n in names if f in DEFINES[kind]}
-    return out
-
-
-def _names_in(v) -> tuple[str, ...]:
-    return () if v is None else v if isinstance(v, tuple) else (v,)
 
 
 def _nothing_left(err: CompileError, program: Program, directives: tuple[Directive, ...], at: int, name: str,

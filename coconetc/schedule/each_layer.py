@@ -97,24 +97,31 @@ def expand(d: EachLayer, at: Layers, block: str, directives: Any, forward: froze
 DEFINES = {"Split": ("rs", "ag"), "Reorder": ("outs",), "Fuse": ("name",), "OverlapD": ()}
 
 
+def names_of(d: Any) -> list[tuple[str, bool]]:
+    """The names a stage directive D (a kind of NAMED) holds, each with whether D defines it."""
+    kind = type(d).__name__
+    out = []
+    for f in NAMED[kind]:
+        v = getattr(d, f)
+        out += [(n, f in DEFINES[kind]) for n in (() if v is None else v if isinstance(v, tuple) else (v,))]
+    return out
+
+
 def _numbered(d: EachLayer, block: str, directives: Any, forward: frozenset[str]) -> None:
     """An error at D for a name of the derived program's that is made of none of the block's
     FORWARD names (and no directive before defines): a value the derivation numbers
     (`g_allgather2`), whose number differs in each layer of a model."""
     defined: set[str] = set()
     for d2 in directives:
-        kind = type(d2).__name__
-        for f in NAMED[kind]:
-            v = getattr(d2, f)
-            for n in () if v is None else v if isinstance(v, tuple) else (v,):
-                if f in DEFINES[kind]:
-                    defined.add(n)
-                elif n not in defined and n not in forward and _made_of(n, forward) is None:
-                    raise CompileError.at(d.at("block_schedule="), f"each_layer(): grad({block})'s schedule "
-                                          f"'{d.schedule}' names {n}, a value the derivation numbers rather than "
-                                          f"names after one of {block}'s, which is numbered otherwise in each layer "
-                                          "of the model: write those directives for the model's derived program by "
-                                          "hand (`coconetc show FILE -p MODEL --grad` prints its names)")
+        for n, defines in names_of(d2):
+            if defines:
+                defined.add(n)
+            elif n not in defined and n not in forward and _made_of(n, forward) is None:
+                raise CompileError.at(d.at("block_schedule="), f"each_layer(): grad({block})'s schedule "
+                                      f"'{d.schedule}' names {n}, a value the derivation numbers rather than "
+                                      f"names after one of {block}'s, which is numbered otherwise in each layer "
+                                      "of the model: write those directives for the model's derived program by "
+                                      "hand (`coconetc show FILE -p MODEL --grad` prints its names)")
 
 
 def derived_name(n: str, forward: frozenset[str], rename: Any) -> str:

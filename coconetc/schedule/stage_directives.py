@@ -2,7 +2,9 @@
 each_layer's, expanded), each given to the virtual stage whose stages it names: a pipelined
 run cuts the program unscheduled into a program a virtual stage (schedule/pipeline.py
 stage_program), and each runs under these directives of its own (sourcefile.with_grads), so a
-stage's schedule is checked and proven on the stage's program as any schedule is."""
+stage's schedule is checked and proven on the stage's program as any schedule is. The
+schedule of the model's derived program of the pipeline schedule's name goes to the stages'
+derived programs the same way, each directive to the one that holds the values it names."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 from coconetc.errors import CompileError
 from coconetc.ir.nodes import Program
 from coconetc.schedule.directives import span_of
-from coconetc.schedule.each_layer import NAMED, WORD
+from coconetc.schedule.each_layer import NAMED, WORD, names_of
 from coconetc.schedule.pipeline import Cut, Pipeline, stage_bounds
 
 
@@ -29,7 +31,7 @@ def stage_directives(p: Program, c: Cut, directives: Sequence[Any]) -> list[list
     for d in directives:
         if isinstance(d, Pipeline):
             continue
-        names = [n for f in NAMED[type(d).__name__] for n in _names(getattr(d, f))]
+        names = [n for n, _ in names_of(d)]
         known = {n: owner[n] for n in names if n in owner}
         ks = sorted(set(known.values()))
         if len(ks) > 1:
@@ -45,5 +47,30 @@ def stage_directives(p: Program, c: Cut, directives: Sequence[Any]) -> list[list
     return out
 
 
-def _names(v: Any) -> tuple[str, ...]:
-    return () if v is None else v if isinstance(v, tuple) else (v,)
+def stage_grad_directives(backs: list[Program], directives: Sequence[Any], program: str,
+                          schedule: str) -> list[list[Any]]:
+    """grad(PROGRAM)'s schedule SCHEDULE's DIRECTIVES for each of the stages' derived programs
+    BACKS: each goes to the one that holds every value it names (those an earlier directive
+    there defines count); an error at one that no one holds."""
+    held = [{st.name for st in q.stages} | {x.name for x in q.params} for q in backs]
+    out: list[list[Any]] = [[] for _ in backs]
+    for x in directives:
+        kind = type(x).__name__
+        if kind not in NAMED:
+            raise CompileError.at(span_of(x, "()"), f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into "
+                                  f"pipeline stages, so grad({program})'s schedule {schedule} schedules each stage's "
+                                  "backward, with directives of stages only (split, reorder, fuse, overlap, "
+                                  f"each_layer): give the {WORD[kind]} a schedule of its own")
+        names = names_of(x)
+        reads = [n for n, defines in names if not defines]
+        ks = [k for k, h in enumerate(held) if all(n in h for n in reads)]
+        if len(ks) != 1:
+            raise CompileError.at(span_of(x, "()"), f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into "
+                                  f"pipeline stages, so grad({program})'s schedule {schedule} schedules each stage's "
+                                  f"backward, and {'no' if not ks else 'more than one'} stage's derived program "
+                                  f"holds all of {', '.join(reads) or 'its values'}: cut the layers so that one "
+                                  "stage holds them (layers=[...]), or leave the directive out (`coconetc show FILE "
+                                  f"-p {program} --grad` prints the derived program's names)")
+        out[ks[0]].append(x)
+        held[ks[0]] |= {n for n, defines in names if defines}
+    return out
