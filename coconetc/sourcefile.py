@@ -72,8 +72,9 @@ class SourceFile:
     # derived programs (docs/autodiff.md): `<p>_grad`, `<p>_fwd`, `<p>_bwd` -> p, the program
     # they differentiate
     derived: dict[str, str] = field(default_factory=dict)
-    # with_grads: the schedules of pipeline stages' derived programs, by program, until derived
-    pending: dict[str, ScheduleIR] = field(default_factory=dict)
+    # (program, pipeline schedule) -> its stages' schedules (stage_schedules), made as the file
+    # loads (where they are checked) and read by with_grads and from_schedule
+    staged: dict[tuple[str, str], dict[str, ScheduleIR]] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
         if name is None:  # the file's only program (its derived programs do not count)
@@ -232,7 +233,7 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     (`<p>_<s>_stage<k>`: schedule/pipeline.py, stage_program), each derived and cut at the
     activation it receives (x, p's parameter, on stage 0)."""
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
-                  plans=dict(mod.plans), derived=dict(mod.derived), pending={})
+                  plans=dict(mod.plans), derived=dict(mod.derived))
     todo = list(programs)
     while todo:
         entry = todo.pop(0)
@@ -250,8 +251,9 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
                              f"got {acc.strip()!r}")
         new.program(p)  # a KeyError naming the file's programs
         grad = _derive(new, p)
-        if grad in new.pending:  # a pipeline stage's backward under its layers' directives
-            _add_schedule(new, new.pending.pop(grad))
+        staged = next((s[grad] for s in new.staged.values() if grad in s), None)
+        if staged is not None and staged.name not in new.schedules[grad]:  # a pipeline stage's backward
+            _add_schedule(new, staged)  # under its layers' directives
         _split(new, p, grad)
         if inputs:
             xs = tuple(x.strip() for x in inputs.split(","))
@@ -293,8 +295,6 @@ def _pipeline_stages(mod: SourceFile, entry: str) -> list[str]:
             mod.derived[sp.name] = program
             if sp.name in scheduled:  # its layers' directives: the stage's own schedule of the same name
                 _add_schedule(mod, scheduled[sp.name])
-            if grad_name(sp.name) in scheduled:  # (the stage's derived program's, once with_grads derives it)
-                mod.pending[grad_name(sp.name)] = scheduled[grad_name(sp.name)]
         entries.append(f"{sp.name}:{stage_input(p, sp, k, first or 'x')}")
     return entries
 
@@ -449,17 +449,19 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
 
 
 def _check_stages(mod: SourceFile, sched: syntax.Schedule, directives: tuple[Directive, ...], ir: Program) -> None:
-    """A pipeline schedule's stages' schedules (stage_schedules), checked when the later of a
-    program's schedule s and grad(p)'s schedule s is: each applies to its stage's program."""
+    """A pipeline schedule's stages' schedules, made (mod.staged) and so checked when the later
+    of a program's schedule s and grad(p)'s schedule s is: each applies to its stage's program."""
     from coconetc.schedule.pipeline import directive
     if sched.grad:
         if sched.name not in mod.schedules.get(sched.program, {}):
-            return  # (checked with the program's schedule s, if the file has one, after this)
+            return  # (made with the program's schedule s, if the file has one, after this)
     elif directive(directives) is None:
         return
     trial = replace(mod, schedules={**mod.schedules, sched.target: {
         **mod.schedules.get(sched.target, {}), sched.name: ScheduleIR(sched.name, sched.target, directives, ir)}})
-    stage_schedules(trial, sched.program, sched.name)
+    staged = _staged(trial, sched.program, sched.name)
+    if staged:
+        mod.staged[(sched.program, sched.name)] = staged
 
 
 def _written_out(err: CompileError, written: tuple[Directive, ...]) -> CompileError:
@@ -536,6 +538,12 @@ def _repeated(mod: SourceFile, tree: syntax.File, program: str, repeat: str, lay
 
 
 def stage_schedules(mod: SourceFile, program: str, schedule: str) -> dict[str, ScheduleIR]:
+    """PROGRAM's pipeline schedule SCHEDULE's stages' schedules, by program (_staged), as the
+    file made them when it loaded; {} for a schedule without a pipeline."""
+    return mod.staged.get((program, schedule), {})
+
+
+def _staged(mod: SourceFile, program: str, schedule: str) -> dict[str, ScheduleIR]:
     """Where PROGRAM's schedule SCHEDULE holds a pipeline(...): the schedules SCHEDULE of its
     virtual stages' programs (`<p>_<s>_stage<k>`: schedule/pipeline.py stage_program), each the
     stage under the directives beside the pipeline that name its stages
@@ -639,7 +647,7 @@ def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFi
     file's own are); the autotuner's generated schedules join a file this way."""
     tree = parse(text, file)
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
-                  plans=dict(mod.plans), derived=dict(mod.derived))
+                  plans=dict(mod.plans), derived=dict(mod.derived), staged=dict(mod.staged))
     errors = list[Diagnostic]()
     for i, sched in enumerate(tree.schedules):
         if sched.grad and sched.program in new.programs and sched.target not in new.programs:

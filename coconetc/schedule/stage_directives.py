@@ -56,21 +56,19 @@ def stage_grad_directives(backs: list[Program], directives: Sequence[Any], progr
     out: list[list[Any]] = [[] for _ in backs]
     for x in directives:
         kind = type(x).__name__
+        why = (f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into pipeline stages, so "
+               f"grad({program})'s schedule {schedule} schedules each stage's backward")
         if kind not in NAMED:
-            raise CompileError.at(span_of(x, "()"), f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into "
-                                  f"pipeline stages, so grad({program})'s schedule {schedule} schedules each stage's "
-                                  "backward, with directives of stages only (split, reorder, fuse, overlap, "
-                                  f"each_layer): give the {WORD[kind]} a schedule of its own")
+            raise CompileError.at(span_of(x, "()"), f"{why}, with directives of stages only (split, reorder, fuse, "
+                                  f"overlap, each_layer): give the {WORD[kind]} a schedule of its own")
         names = names_of(x)
         reads = [n for n, defines in names if not defines]
         ks = [k for k, h in enumerate(held) if all(n in h for n in reads)]
         if len(ks) != 1:
-            raise CompileError.at(span_of(x, "()"), f"{WORD[kind]}(): schedule {schedule} of {program} cuts it into "
-                                  f"pipeline stages, so grad({program})'s schedule {schedule} schedules each stage's "
-                                  f"backward, and {'no' if not ks else 'more than one'} stage's derived program "
-                                  f"holds all of {', '.join(reads) or 'its values'}: cut the layers so that one "
-                                  "stage holds them (layers=[...]), or leave the directive out (`coconetc show FILE "
-                                  f"-p {program} --grad` prints the derived program's names)")
+            raise CompileError.at(span_of(x, "()"), f"{why}, and {'no' if not ks else 'more than one'} stage's "
+                                  f"derived program holds all of {', '.join(reads) or 'its values'}: cut the layers "
+                                  "so that one stage holds them (layers=[...]), or leave the directive out (`coconetc "
+                                  f"show FILE -p {program} --grad` prints the derived program's names)")
         out[ks[0]].append(x)
         held[ks[0]] |= {n for n, defines in names if defines}
     return out
