@@ -127,3 +127,25 @@ def test_the_registry_imports_no_interpreter_and_no_backend():
             "'coconetc.codegen', 'coconetc.toolchain'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_retype_types_again_after_the_registry_changes(softplus):
+    """retype (ir/rewrite.py) returns an expression it typed as it is when read again with the
+    same types; an operation registered again with another rule is typed by the new rule."""
+    from coconetc.ir.rewrite import retype
+    from coconetc.ir.typerules import TypeErr
+    prog = load_source(SOURCE).program("sp")
+    env = {n: prog.type_of(n) for n in ("s", "b")}.__getitem__
+    typed = retype(prog.stage("y").expr, env)
+    assert typed == prog.stage("y").expr and retype(typed, env) is typed
+
+    def refused(op, args, attrs, span):
+        raise TypeErr(span, "softplus: refused by its new rule")
+    ops.unregister("softplus")
+    try:
+        ops.register(dataclasses.replace(SOFTPLUS, typing=refused))
+        with pytest.raises(TypeErr, match="refused by its new rule"):
+            retype(typed, env)
+    finally:
+        ops.unregister("softplus")
+        ops.register(softplus)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import lark
@@ -259,7 +259,14 @@ def _bad_tokens(tree: lark.Tree, file: str, source: str) -> list[Diagnostic]:
 
 
 def parse(source: str, file: str = "<string>") -> syntax.File:
-    """Parse a whole .ccn file. Raises CompileError on the first syntax error."""
+    """Parse a whole .ccn file. Raises CompileError on the first syntax error. The trees of the
+    last files parsed are kept (immutable: a file imported or each_layer's block file is read
+    again by each schedule that names it)."""
+    return _parse(source, file)
+
+
+@lru_cache(maxsize=32)
+def _parse(source: str, file: str) -> syntax.File:
     text = source if source.endswith("\n") else source + "\n"
     try:
         tree = _parser().parse(text)

@@ -231,6 +231,14 @@ class OpDef:
 # --- the registry ----------------------------------------------------------------------
 
 REGISTRY: dict[str, OpDef] = {}
+_CHANGES = [0]  # how many times REGISTRY has changed (typing_state)
+
+
+def typing_state() -> tuple[int, object]:
+    """What type_op's answers depend on besides its arguments: the registry (by the number of
+    times it has changed) and the extern scope in force. An expression typed under one state
+    types the same under an equal one (ir/rewrite.py retype remembers it)."""
+    return _CHANGES[0], _SCOPE.get()
 
 
 def register(d: OpDef) -> OpDef:
@@ -241,6 +249,7 @@ def register(d: OpDef) -> OpDef:
     if d.kind == "pointwise" and (d.numpy is None or d.cpp is None):
         raise ValueError(f"pointwise operation '{d.name}' needs a numpy function and a Cpp template")
     REGISTRY[d.name] = d
+    _CHANGES[0] += 1
     return d
 
 
@@ -269,7 +278,8 @@ def register_extern(d: OpDef, scope: Mapping[str, OpDef] | None = None) -> OpDef
     while key in REGISTRY and not _same(REGISTRY[key], d):
         k += 1
         key = f"{d.name}{SEP}{k}"
-    REGISTRY.pop(key, None)
+    if REGISTRY.pop(key, None) is not None:
+        _CHANGES[0] += 1
     entry = register(d if key == d.name else replace(d, name=key))
     if scope is not None:
         _SCOPES[key] = scope
@@ -310,6 +320,7 @@ def _scoped(name: str) -> OpDef | None:
 
 def unregister(name: str) -> None:
     del REGISTRY[name]
+    _CHANGES[0] += 1
 
 
 @contextmanager

@@ -6,10 +6,19 @@ from dataclasses import replace
 
 from collections.abc import Callable
 
-from coconetc.ir.nodes import Const, Expr, Program, Ref, Stage, refs
-from coconetc.ir.ops import type_op
+from coconetc.ir.nodes import Const, Expr, Program, Ref, Stage, refs, walk
+from coconetc.ir.ops import type_op, typing_state
 from coconetc.ir.typerules import TypeErr
 from coconetc.ir.types import TType
+
+
+# Expressions retype made (by id, each held so that its id stays its own), with the typing
+# state they were typed under: such an expression, read again where every name it reads has
+# the type its reference carries, types as itself, so retype returns it without re-typing
+# (a schedule's directives and the verifier after each re-type every stage of a program of
+# hundreds, most of them unchanged). Emptied when full.
+_TYPED: dict[int, tuple[Expr, object]] = {}
+_TYPED_MAX = 1 << 14
 
 
 def retype(e: Expr, env: Callable[[str], TType]) -> Expr:
@@ -18,22 +27,46 @@ def retype(e: Expr, env: Callable[[str], TType]) -> Expr:
         return replace(e, type=env(e.name))
     if isinstance(e, Const):
         return e
-    args = tuple(retype(a, env) for a in e.args)
+    state = typing_state()
+    seen = _TYPED.get(id(e))
+    if seen is not None and seen[0] is e and seen[1] == state and \
+            all(n.type == env(n.name) for n in walk(e) if isinstance(n, Ref)):
+        return e
+    out = _retyped(e, env)
+    if len(_TYPED) >= _TYPED_MAX:
+        _TYPED.clear()
+    _TYPED[id(out)] = (out, state)
+    return out
+
+
+def _retyped(e: Expr, env: Callable[[str], TType]) -> Expr:
+    if isinstance(e, Ref):
+        return replace(e, type=env(e.name))
+    if isinstance(e, Const):
+        return e
+    args = tuple(_retyped(a, env) for a in e.args)
     return replace(e, args=args, type=type_op(e.op, args, dict(e.attrs), e.span))
 
 
 def rename(e: Expr, mapping: dict[str, str]) -> Expr:
-    """Replace references by name (types are fixed up by retype afterwards)."""
+    """Replace references by name (types are fixed up by retype afterwards); e itself where it
+    reads none of them."""
+    if not any(isinstance(n, Ref) and n.name in mapping for n in walk(e)):
+        return e
+    return _renamed(e, mapping)
+
+
+def _renamed(e: Expr, mapping: dict[str, str]) -> Expr:
     if isinstance(e, Ref):
         return replace(e, name=mapping.get(e.name, e.name))
     if isinstance(e, Const):
         return e
-    return replace(e, args=tuple(rename(a, mapping) for a in e.args))
+    return replace(e, args=tuple(_renamed(a, mapping) for a in e.args))
 
 
 def rename_program(p: Program, mapping: dict[str, str], skip: frozenset[str] | set[str] = frozenset()) -> Program:
     """Point every reader (stages not in skip, outputs, updates) at the new names."""
-    stages = tuple(s if s.name in skip else replace(s, expr=rename(s.expr, mapping))
+    stages = tuple(s if s.name in skip or (e := rename(s.expr, mapping)) is s.expr else replace(s, expr=e)
                    for s in p.stages)
     outputs = tuple((pub, mapping.get(s, s)) for pub, s in p.outputs)
     updates = tuple((t, mapping.get(s, s)) for t, s in p.updates)
@@ -51,7 +84,7 @@ def retype_program(p: Program) -> Program:
             err.stage = s.name  # type: ignore[attr-defined]  # which stage no longer types
             raise
         types[s.name] = expr.type
-        stages.append(replace(s, expr=expr))
+        stages.append(s if expr is s.expr else replace(s, expr=expr))
     return replace(p, stages=tuple(stages))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops as registry
 from coconetc.ir.gathers import weight_gathers
-from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, refs, walk
 from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
 from coconetc.plan import attention
@@ -182,9 +182,13 @@ def _next_to_reader(p: Program, order: list[Stage]) -> list[Stage]:
     GELU's backward after two GEMMs: written and read again, 8 bytes an element, without
     this). Not a value the program returns or writes in place."""
     kept = {x for _, x in p.outputs + p.updates}
+    readers: dict[str, list[Stage]] = {}
+    for r in p.stages:
+        for name in refs(r.expr):
+            readers.setdefault(name, []).append(r)
     out = list(order)
     for s in reversed(order):  # (the last first: a chain of them ends next to its reader together)
-        users = p.users(s.name)
+        users = readers.get(s.name, [])
         if (s.name in kept or len(users) != 1 or not _pointwise_compute(p, s)
                 or not _pointwise_compute(p, users[0]) or users[0].type != s.type):
             continue
