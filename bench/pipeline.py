@@ -11,10 +11,11 @@ a nanoGPT-shaped GPT (bench/nanogpt.py, f32) cut into P stages of one rank each,
            refuses it, ScheduleZBVZeroBubble with 2 stages a rank, and the reason is reported);
            zero_bubble_h2, which torch has no single-stage schedule for: torch's schedule runtime
            (_PipelineScheduleRuntime, the one its zero-bubble schedules run on) given coconet's
-           own action lists (F, I for B, W), so both run the same order
+           own action lists (F, I for B, W), so both run the same order; zero_bubble_v:
+           ScheduleZBVZeroBubble (2 stages a rank, rank r holding stages r and 2P-1-r)
 
 Both run the same layer cut (layer bounds as even as can be, interleaved: virtual stage
-c * P + rank), the same weights, the same batch; the first step's mean losses are checked to
+c * P + rank; zero_bubble_v: r and 2P-1-r), the same weights, the same batch; the first step's mean losses are checked to
 agree within 1e-4 relative. A step is the pipeline's forward and backward over the batch (the
 gradients left in .grad; no optimizer step, no tied-embedding all-reduce, in either).
 
@@ -46,7 +47,7 @@ its first step: a header before each message and a blocking receive where the ac
 none posted ahead ("old ms"; "old/new": its median over the default's).
 
 Run: python bench/pipeline.py [--layers 8] [--hidden 256] [--heads 4] [--seq 128] [--batch 8]
-     [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble,zero_bubble_h2]
+     [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble,zero_bubble_h2,zero_bubble_v]
      [--reps 5] [--json PATH] [--old-receives]
 It relaunches itself on max(--stages) ranks under mpiexec (the ranks past a pipeline's P wait
 at the barriers); rank 0 prints the table (and with --json writes every number)."""
@@ -66,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coconetc.pipeline import ORDERS, layer_bounds, make
+from coconetc.pipeline import ORDERS, default_chunks, layer_bounds, make
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -74,12 +75,18 @@ _EXAMPLE = HERE.parent / "examples" / "gpt_block.ccn"
 GPT_BLOCK: str | Path = _EXAMPLE if _EXAMPLE.exists() else "gpt_block.ccn"  # the shipped example by name
 PROGRAM = "gpt_block"
 TORCH_ORDERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                "zero_bubble": "ScheduleInterleavedZeroBubble", "zero_bubble_h2": "coconet's lists"}
+                "zero_bubble": "ScheduleInterleavedZeroBubble", "zero_bubble_h2": "coconet's lists",
+                "zero_bubble_v": "ScheduleZBVZeroBubble"}
 V_INTERLEAVED = 2
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def chunks_of(order: str) -> int:
+    """Model chunks a rank: V_INTERLEAVED under interleaved, else the order's own (2 under zero_bubble_v)."""
+    return V_INTERLEAVED if order == "interleaved" else default_chunks(order)
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -91,10 +98,11 @@ def check_args(a: argparse.Namespace) -> None:
     for P in a.stages:
         if P < 2:
             raise SystemExit(f"--stages {P}: a pipeline of at least 2 stages")
-        need = P * (V_INTERLEAVED if "interleaved" in a.orders or "zero_bubble" in a.orders else 1)
+        need = P * max([chunks_of(o) for o in a.orders] + [2 if "zero_bubble" in a.orders else 1])
         if a.layers < need:
             raise SystemExit(f"--layers {a.layers}: fewer than the {need} virtual stages of P={P} "
-                             f"({V_INTERLEAVED} a rank under interleaved, and torch's ZBV fallback)")
+                             f"({V_INTERLEAVED} a rank under interleaved, 2 under zero_bubble_v and torch's "
+                             "ZBV fallback for zero_bubble)")
     for M in a.microbatches:
         if a.batch % M:
             raise SystemExit(f"--batch {a.batch} does not split into {M} equal micro-batches")
@@ -124,14 +132,15 @@ def coconet_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: i
     from coconetc.torch.gpt import block_parameters
     from coconetc.torch.pipeline import Chunk, Pipeline
     s = comm.Get_rank()
-    V = V_INTERLEAVED if order == "interleaved" else 1
+    V = chunks_of(order)
+    placed = make(order, P, M, V)
     bounds = layer_bounds(a.layers, P * V)
     tr = model.transformer
     scale = 1.0 / math.sqrt(a.hidden // a.heads)
     params: list[torch.Tensor] = []
     chunks = []
     for c in range(V):
-        stage = c * P + s
+        stage = placed.stage(s, c)
         layers = []
         for i in range(bounds[stage], bounds[stage + 1]):
             ws = {k: v.clone().contiguous().requires_grad_(True) for k, v in block_parameters(tr.h[i], a.heads).items()}
@@ -270,6 +279,8 @@ def torch_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int
         got = build(V_INTERLEAVED, [r + c * P for c in range(V_INTERLEAVED)], pp.ScheduleInterleaved1F1B)
     elif order == "zero_bubble_h2":
         got = build(1, [r], same_order(order, P, M))
+    elif order == "zero_bubble_v":
+        got = build(2, [r, 2 * P - 1 - r], pp.ScheduleZBVZeroBubble)
     else:
         try:
             got = build(1, [r], pp.ScheduleInterleavedZeroBubble)
@@ -408,7 +419,7 @@ class Case:
         self.pipe._ahead = ahead
         for p in self.cparams:
             p.grad = None
-        r, last = self.sub.Get_rank(), (self.P * self.pipe.order.chunks - 1) % self.P
+        r, last = self.sub.Get_rank(), self.pipe.order.place(self.pipe.order.stages - 1)[0]
         self.waits.clear()
         barrier(self.world, True)
         t0 = time.perf_counter()
@@ -495,7 +506,7 @@ class Case:
                     durs[e[0]].append(e[5])
         med = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
         res["costs_s"] = med
-        o = orders.make(order, P, M, V_INTERLEAVED if order == "interleaved" else 1)
+        o = orders.make(order, P, M, chunks_of(order))
         sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
                                               weight_grad=med["W"]))
         res["bubble_predicted"] = sim.bubble()

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coconetc.pipeline import ORDERS, layer_bounds
+from coconetc.pipeline import ORDERS, default_chunks, layer_bounds, make
 
 HERE = Path(__file__).resolve().parent
 GPT_BLOCK = HERE / "gpt_block.ccn"
@@ -123,6 +123,11 @@ def orders_of(a: argparse.Namespace) -> list[str]:
     return got
 
 
+def chunks_of(order: str, a: argparse.Namespace) -> int:
+    """Model chunks a rank under ORDER: --chunks under the interleaved order, else the order's own."""
+    return a.chunks if order == "interleaved" else default_chunks(order)
+
+
 def check_sizes(mode: str, a: argparse.Namespace, ranks: int, order: str = "1f1b") -> None:
     """The sizes MODE (and pipeline ORDER) can run with on RANKS ranks (before the ranks start,
     and in each)."""
@@ -135,16 +140,15 @@ def check_sizes(mode: str, a: argparse.Namespace, ranks: int, order: str = "1f1b
     if a.batch % groups:
         raise SystemExit(f"--batch {a.batch}: not split evenly over {groups} data-parallel groups")
     if mode.startswith("pp"):
-        chunks = a.chunks if order == "interleaved" else 1
+        chunks = chunks_of(order, a)
         if a.layers < stages * chunks:
             raise SystemExit(f"--layers {a.layers}: fewer than the {stages * chunks} virtual stages of "
                              f"{order} ({stages} stages x {chunks} chunks); use --layers {stages * chunks} or more")
-        from coconetc.pipeline.orders import make
         try:
             make(order, stages, a.microbatches, chunks)
         except ValueError as err:
             raise SystemExit(f"--order {order}: {err}") from None
-        if a.from_schedule and (a.layers, stages, a.microbatches, chunks) != (4, 2, 4, (2 if order == "interleaved" else 1)):
+        if a.from_schedule and (a.layers, stages, a.microbatches, chunks) != (4, 2, 4, default_chunks(order)):
             raise SystemExit(f"--from-schedule: {GPT_PIPELINE.name}'s schedules are 4 layers on 2 stages, 4 "
                              "micro-batches (2 chunks a rank, interleaved): use --layers 4 --stages 2 "
                              "--microbatches 4 --chunks 2")
@@ -423,7 +427,8 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     tp_comm = comm.Split(d * P + s, t)
     pp_comm = comm.Split(d * T + t, s)
     dp_comm = comm.Split(s * T + t, d) if dp > 1 else None
-    V = a.chunks if order == "interleaved" else 1
+    V = chunks_of(order, a)
+    cut = make(order, P, a.microbatches, V)  # (its placement: which virtual stages are this rank's)
     bounds = layer_bounds(a.layers, P * V)
     full, data = init(a), batches(a)
     ref = reference_model(full, a)
@@ -442,7 +447,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
 
     H = a.hidden
     scale = 1.0 / math.sqrt(H // a.heads)
-    held = [c * P + s for c in range(V)]  # this rank's virtual stages
+    held = [cut.stage(s, c) for c in range(V)]  # this rank's virtual stages
     pre = post = None
     if 0 in held:
         for n in ("wte", "wpe"):
@@ -485,7 +490,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
         block = Block(GPT_BLOCK, program, comm=tp_comm, schedule=a.schedule, grad_schedule=a.grad_schedule)
         chunks: list[Chunk] = []
         for c in range(V):
-            stage = c * P + s
+            stage = cut.stage(s, c)
             ls = []
             for i in range(bounds[stage], bounds[stage + 1]):
                 ws = {n: mine(f"blocks.{i}.{n}", full["blocks"][i][n]) for n in block.weights}
@@ -495,7 +500,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
         pipe = Pipeline(chunks, order, microbatches=a.microbatches, comm=pp_comm, loss_fn=loss_fn, tp_comm=tp_comm)
     # the token embedding is tied to the head: the first and the last stage each hold it, and
     # their gradients are summed between them (Megatron's embedding group)
-    ends = {0, (P * V - 1) % P}
+    ends = {0, cut.place(P * V - 1)[0]}
     tied = pp_comm.Split(0 if s in ends else MPI.UNDEFINED, s) if len(ends) > 1 else None
     hp = adamw_args(a)
     opt = torch.optim.AdamW(params.values(), **hp)
@@ -505,7 +510,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     grad_err: dict[str, float] = {}
     losses, ref_losses = [], []
     t_coconet = t_ref = 0.0
-    holder = s == (P * V - 1) % P and t == 0  # a rank of the last stage: it has the loss
+    holder = s == cut.place(P * V - 1)[0] and t == 0  # a rank of the last stage: it has the loss
     for step, (idx, tgt) in enumerate(data):
         t0 = time.perf_counter()
         opt.zero_grad()

@@ -102,6 +102,8 @@ def test_a_pipeline_schedule_is_checked_and_shows_its_timeline(tmp_path) -> None
     ('pipeline(stages=2, microbatches=4, layers=[2, 1])', "layers=", "adds up to 3; y has 4"),
     ('pipeline(stages=1, microbatches=4, order="interleaved", chunks=3)', "3)", "does not divide y's 4 layers"),
     ('pipeline(stages=2, microbatches=3, order="interleaved")', "3,", "microbatches=3"),
+    ('pipeline(stages=2, microbatches=4, order="zero_bubble_v", chunks=3)', "3)",
+     "order 'zero_bubble_v' runs 2 model chunks a rank (placed in a V), not chunks=3: use chunks=2"),
     ('pipeline(stages=2, microbatches=4, order="pipedream")', '"pipedream"', "unknown"),
     ('pipeline(stages=2, microbatches=8, order="gpipe", max_activations=4)', "4)",
      "holds 8 micro-batches' activations at once on rank 0"),
@@ -379,7 +381,7 @@ def test_the_accumulating_backwards_add_the_weights_gradients_into_their_accumul
 DEEP = MODEL.replace("4, H, F", "8, H, F").replace("4, F, H", "8, F, H")
 
 
-@pytest.mark.parametrize("order", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2"])
+@pytest.mark.parametrize("order", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2", "zero_bubble_v"])
 @pytest.mark.parametrize("stages, ranks, microbatches, layers", [
     (1, 1, 1, None), (2, 1, 4, "[5, 3]"), (2, 2, 8, None), (3, 2, 3, "[1, 4, 3]"), (4, 1, 8, None),
     (4, 2, 4, "[1, 2, 3, 2]")])
@@ -398,6 +400,8 @@ def test_every_pipeline_order_computes_the_programs_gradients(order: str, stages
     from coconetc.sourcefile import load_source
     if order == "interleaved" and (microbatches % stages or layers):
         pytest.skip("interleaved: micro-batches a multiple of the stages, layers split evenly over 2 chunks")
+    if order == "zero_bubble_v" and layers:  # (2 chunks a rank: 2P virtual stages' layers)
+        layers = {2: "[3, 2, 2, 1]", 3: "[1, 2, 1, 1, 2, 1]", 4: "[1, 1, 1, 1, 1, 1, 1, 1]"}[stages]
     chunks = ", chunks=2" if order == "interleaved" else ""
     split = f", layers={layers}" if layers else ""
     mod = load_source(DEEP + f'\nschedule pp for model {{\n    pipeline(stages={stages}, microbatches={microbatches}, '

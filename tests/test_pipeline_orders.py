@@ -11,22 +11,21 @@ from fractions import Fraction
 
 import pytest
 
-from coconetc.pipeline import ORDERS, Action, Costs, Order, check, make, predicted_bubble, render
+from coconetc.pipeline import ORDERS, Action, Costs, Order, check, default_chunks, make, predicted_bubble, render
 from coconetc.pipeline import chart, simulate
 
 UNIT = Costs(forward=1, backward=2, input_grad=1, weight_grad=1, transfer=0)
 
 
 def grid() -> list[tuple[str, int, int, int]]:
-    """(order, P, M, V) for P in 1..4, M in 1..8; interleaved with V=2 where P divides M."""
+    """(order, P, M, V) for P in 1..4, M in 1..8; interleaved with V=2 where P divides M,
+    zero_bubble_v with its V=2."""
     cases = []
     for name in ORDERS:
         for P in range(1, 5):
             for M in range(1, 9):
-                if name != "interleaved":
-                    cases.append((name, P, M, 1))
-                elif M % P == 0:
-                    cases.append((name, P, M, 2))
+                if name != "interleaved" or M % P == 0:
+                    cases.append((name, P, M, default_chunks(name)))
     return cases
 
 
@@ -35,7 +34,7 @@ def test_every_order_is_complete_and_runs(name: str, P: int, M: int, V: int) -> 
     order = make(name, P, M, V)
     check(order)
     assert (order.ranks, order.microbatches, order.chunks, order.stages) == (P, M, V, P * V)
-    assert order.split_backward == (name in ("zero_bubble", "zero_bubble_h2"))
+    assert order.split_backward == (name in ("zero_bubble", "zero_bubble_h2", "zero_bubble_v"))
     kinds = "FBW" if order.split_backward else "FB"
     done = Counter((order.stage(r, a.chunk), a.microbatch, a.kind)
                    for r, acts in enumerate(order.actions) for a in acts)
@@ -149,6 +148,31 @@ def test_zero_bubble_h2_trades_memory_for_the_bubble(P: int, M: int) -> None:
     longer_b = Costs(forward=2, backward=5, input_grad=3, weight_grad=2)
     assert simulate(h2, longer_b).bubble() <= simulate(h1, longer_b).bubble() + 1e-12
     assert predicted_bubble("zero_bubble_h2", P, M, costs=longer_b) == simulate(h2, longer_b).bubble()
+
+
+@pytest.mark.parametrize("P", range(1, 5))
+@pytest.mark.parametrize("M", range(1, 9))
+def test_zero_bubble_v_idles_least_at_1f1bs_memory(P: int, M: int) -> None:
+    """ZB-V: rank r runs virtual stages r and 2P - 1 - r (the V), so the first and the last are
+    rank 0's; it holds at most 2 min(P, M) chunk activations a rank, each half a stage's, so
+    1F1B's peak on 1F1B's rank 0, and idles less than ZB-H2 (which holds up to 2P - 1 whole
+    stages'), at most a third of 1F1B's bubble once there are P micro-batches."""
+    order = make("zero_bubble_v", P, M)
+    assert order.chunks == 2 and order.split_backward
+    assert [(order.stage(r, 0), order.stage(r, 1)) for r in range(P)] == [(r, 2 * P - 1 - r) for r in range(P)]
+    assert all(order.place(order.stage(r, c)) == (r, c) for r in range(P) for c in range(2))
+    assert order.place(0)[0] == order.place(2 * P - 1)[0] == 0
+    unit = simulate(order, UNIT)
+    assert max(unit.peak_activations(r) for r in range(P)) == 2 * min(P, M)
+    assert 2 * simulate(make("1f1b", P, M), UNIT).peak_activations(0) == 2 * min(P, M)
+    zbv, one_f_one_b = bubble_exactly("zero_bubble_v", P, M, 2), bubble_exactly("1f1b", P, M)
+    assert zbv <= bubble_exactly("zero_bubble_h2", P, M)
+    if P > 1 and M >= P:
+        assert zbv <= one_f_one_b / 3
+    longer_b = Costs(forward=2, backward=5, input_grad=3, weight_grad=2)
+    assert predicted_bubble("zero_bubble_v", P, M, 2, costs=longer_b) == simulate(order, longer_b).bubble()
+    with pytest.raises(ValueError, match="order 'zero_bubble_v' runs 2 model chunks a rank .* not chunks=1"):
+        make("zero_bubble_v", P, M, 1)
 
 
 def test_zero_bubble_h2_worked_by_hand() -> None:

@@ -1,5 +1,5 @@
 """Pipeline parallelism: the micro-batch orders each pipeline rank runs (GPipe, 1F1B,
-interleaved 1F1B, zero bubble), checked for deadlock and simulated for their bubble."""
+interleaved 1F1B, zero bubble: ZB-H1, ZB-H2, ZB-V), checked for deadlock and simulated for their bubble."""
 
 from coconetc.pipeline.orders import (
     ORDERS,
@@ -10,6 +10,7 @@ from coconetc.pipeline.orders import (
     Timeline,
     chart,
     check,
+    default_chunks,
     layer_bounds,
     make,
     predicted_bubble,
@@ -18,4 +19,4 @@ from coconetc.pipeline.orders import (
 )
 
 __all__ = ["ORDERS", "Action", "Costs", "Order", "Slot", "Timeline", "chart", "check",
-           "layer_bounds", "make", "predicted_bubble", "render", "simulate"]
+           "default_chunks", "layer_bounds", "make", "predicted_bubble", "render", "simulate"]

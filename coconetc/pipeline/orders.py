@@ -24,10 +24,17 @@ The orders (P ranks, M micro-batches, V model chunks per rank):
 - `zero_bubble_h2`: ZB-H2 (Qi et al. 2023), zero bubble for more memory: every rank may hold
   up to 2P - 1 micro-batches' activations (from an F's start to its W's end), so the first
   ranks run more forwards before their first B and every rank keeps W's back to fill the end
-  of the pipeline. Built by list scheduling with F = B = W (`_zb_h2`); what is left idle is
+  of the pipeline. Built by list scheduling with F = B = W (`_list_scheduled`); what is left idle is
   mostly the pipeline's start, rank r waiting r forwards, and the last micro-batch's B
   travelling back. Not one of torch's single-stage schedules (bench/pipeline.py runs torch's
   pipelining on these very action lists).
+- `zero_bubble_v`: ZB-V (Qi et al. 2024, "Pipeline parallelism with controllable memory";
+  torch's ScheduleZBVZeroBubble): 2 chunks a rank placed in a V, rank r holding virtual stages
+  r and 2P - 1 - r, so the first and the last stage are rank 0's and a micro-batch turns back
+  at rank P - 1 without a transfer; the backward split into B and W, and every rank holding
+  at most 2P chunks' activations (1F1B's peak: each chunk is half a stage). Built by the same
+  list scheduling as ZB-H2 over the virtual stages (`_list_scheduled`); with F = B = W it
+  idles only while the pipeline fills, about a third of 1F1B's bubble at equal memory.
 """
 
 from __future__ import annotations
@@ -37,8 +44,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2")
-SPLIT = ("zero_bubble", "zero_bubble_h2")  # the orders that split each backward into B and W
+ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2", "zero_bubble_v")
+SPLIT = ("zero_bubble", "zero_bubble_h2", "zero_bubble_v")  # the orders that split each backward into B and W
+V_SHAPED = ("zero_bubble_v",)  # the orders whose rank r holds stages r and 2P - 1 - r (2 chunks)
+
+
+def default_chunks(name: str) -> int:
+    """The model chunks a rank holds under order NAME when the schedule does not say:
+    2 for interleaved and zero_bubble_v, else 1."""
+    return 2 if name == "interleaved" or name in V_SHAPED else 1
 KINDS = ("F", "B", "W")
 
 
@@ -59,7 +73,8 @@ class Action:
 @dataclass(frozen=True)
 class Order:
     """Every rank's actions, in execution order. Virtual stage `chunk * ranks + rank` holds
-    the model's layers in stage order (Megatron's interleaved mapping)."""
+    the model's layers in stage order (Megatron's interleaved mapping); where `v_shaped`, rank
+    r's chunk 0 is stage r and its chunk 1 stage 2 ranks - 1 - r (ZB-V's)."""
 
     name: str
     ranks: int
@@ -67,6 +82,7 @@ class Order:
     chunks: int
     split_backward: bool
     actions: tuple[tuple[Action, ...], ...]
+    v_shaped: bool = False
 
     @property
     def stages(self) -> int:
@@ -77,13 +93,16 @@ class Order:
         if not (0 <= rank < self.ranks and 0 <= chunk < self.chunks):
             raise ValueError(f"no rank {rank} chunk {chunk} in an order of {self.ranks} ranks "
                              f"with {self.chunks} chunks each")
+        if self.v_shaped and chunk % 2:
+            return (chunk + 1) * self.ranks - 1 - rank
         return chunk * self.ranks + rank
 
     def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) that runs a virtual stage."""
         if not 0 <= stage < self.stages:
             raise ValueError(f"no stage {stage}: the order has stages 0..{self.stages - 1}")
-        return stage % self.ranks, stage // self.ranks
+        chunk, rank = divmod(stage, self.ranks)
+        return (self.ranks - 1 - rank if self.v_shaped and chunk % 2 else rank), chunk
 
 
 def layer_bounds(layers: int, stages: int) -> list[int]:
@@ -97,9 +116,11 @@ def layer_bounds(layers: int, stages: int) -> list[int]:
     return bounds
 
 
-def make(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Order:
+def make(name: str, ranks: int, microbatches: int, chunks: int | None = None) -> Order:
     """The order `name` for `ranks` pipeline ranks, `microbatches` micro-batches and `chunks`
-    model chunks per rank (more than one only for `interleaved`)."""
+    model chunks per rank (more than one only for `interleaved` and `zero_bubble_v`; by
+    default the order's own, default_chunks)."""
+    chunks = (default_chunks(name) if name in ORDERS else 1) if chunks is None else chunks
     _check_arguments(name, ranks, microbatches, chunks)
     P, M = ranks, microbatches
     if name == "gpipe":
@@ -111,9 +132,11 @@ def make(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Order:
         lists = [_interleaved(P, M, chunks, r) for r in range(P)]
     elif name == "zero_bubble":
         lists = [_zb_h1(P, M, r) for r in range(P)]
+    elif name == "zero_bubble_h2":
+        lists = _list_scheduled(Order(name, P, M, 1, True, ()), 2 * P - 1)
     else:
-        lists = _zb_h2(P, M)
-    return Order(name, P, M, chunks, name in SPLIT, tuple(tuple(a) for a in lists))
+        lists = _list_scheduled(Order(name, P, M, 2, True, (), v_shaped=True), 2 * P)
+    return Order(name, P, M, chunks, name in SPLIT, tuple(tuple(a) for a in lists), name in V_SHAPED)
 
 
 def _check_arguments(name: str, ranks: int, microbatches: int, chunks: int) -> None:
@@ -128,7 +151,10 @@ def _check_arguments(name: str, ranks: int, microbatches: int, chunks: int) -> N
     if chunks < 1:
         raise ValueError(f"chunks={chunks}: each rank holds at least one model chunk "
                          "(use chunks=1, or chunks=2 with order 'interleaved')")
-    if name != "interleaved" and chunks != 1:
+    if name in V_SHAPED and chunks != 2:
+        raise ValueError(f"order {name!r} runs 2 model chunks a rank (placed in a V), not chunks={chunks}: "
+                         "use chunks=2, or order 'interleaved' for another number of chunks")
+    if name != "interleaved" and name not in V_SHAPED and chunks != 1:
         raise ValueError(f"order {name!r} runs one model chunk per rank, not chunks={chunks}: "
                          "use chunks=1, or order 'interleaved' for several chunks")
     if name == "interleaved" and chunks < 2:
@@ -184,53 +210,79 @@ def _zb_h1(P: int, M: int, rank: int) -> list[Action]:
     return acts + [Action("W", m) for m in range(w, M)]
 
 
-def _zb_h2(P: int, M: int) -> list[list[Action]]:
-    """ZB-H2's lists, by list scheduling with F = B = W = 1 and 2P - 1 micro-batches held a rank
-    at most: the earliest action any rank can start goes next (ties: the lower rank); a rank
-    picks, of its next B (once the next stage's B of it has ended), its next F (once the
-    previous stage's has, if it holds fewer than 2P - 1) and its oldest W not run, the one that
-    can start first, B before F before W when they tie. So a W runs only where the rank would
-    otherwise wait, or where the limit stops its next F. (A heap of each rank's choice; an
-    action changes only its own rank's and its two neighbours': O(P M log P).)"""
-    limit = 2 * P - 1
-    acts: list[list[Action]] = [[] for _ in range(P)]
-    ends: dict[tuple[str, int, int], int] = {}  # (kind, rank, micro-batch) -> end
-    free = [0] * P
-    nf, nb, nw = [0] * P, [0] * P, [0] * P
-    version = [0] * P
-    heap: list[tuple[int, int, int, str]] = []  # (start, rank, version, kind)
+def _list_scheduled(shape: Order, limit: int) -> list[list[Action]]:
+    """Each rank's list for SHAPE's ranks, micro-batches, chunks and placement (its actions
+    unused), by list scheduling with F = B = W = 1 and at most LIMIT (chunk, micro-batch)
+    activations held a rank (from an F's start to its W's end): the earliest action any rank
+    can start goes next (ties: the lower rank); a rank picks, of each chunk's next B (once the
+    next stage's B of it has ended), each chunk's next F (once the previous stage's has, if it
+    holds fewer than LIMIT) and its oldest W not run, the one that can start first; on a tie B
+    before F before W, and the later stage first. So a W runs only where the rank would
+    otherwise wait, or where the limit stops its next F (ZB-H2 with one chunk and 2P - 1, ZB-V
+    with two in a V and 2P). A heap of each rank's choice; an action changes only its own
+    rank's and its neighbours' (the ranks of the stages next to its stage)."""
+    return _ListScheduler(shape, limit).run()
 
-    def choose(r: int) -> None:
-        ready: list[tuple[int, int, str]] = []
-        if nb[r] < nf[r]:
-            need = ("F", r, nb[r]) if r == P - 1 else ("B", r + 1, nb[r])
-            if need in ends:
-                ready.append((max(free[r], ends[need]), 0, "B"))
-        if nf[r] < M and nf[r] - nw[r] < limit and (r == 0 or ("F", r - 1, nf[r]) in ends):
-            ready.append((max(free[r], ends.get(("F", r - 1, nf[r]), 0)), 1, "F"))
-        if nw[r] < nb[r]:
-            ready.append((free[r], 2, "W"))
-        version[r] += 1
+
+class _ListScheduler:
+    def __init__(self, shape: Order, limit: int):
+        P, V = shape.ranks, shape.chunks
+        self.shape, self.limit, self.last = shape, limit, shape.stages - 1
+        self.acts: list[list[Action]] = [[] for _ in range(P)]
+        self.ends: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end
+        self.free = [0] * P
+        self.nf, self.nb = [[0] * V for _ in range(P)], [[0] * V for _ in range(P)]
+        self.backs: list[list[Action]] = [[] for _ in range(P)]  # each rank's B's whose W has not run
+        self.held = [0] * P
+        self.version = [0] * P
+        self.heap: list[tuple[int, int, int, int, int, Action]] = []  # (start, rank, version, tie, -stage, action)
+
+    def run(self) -> list[list[Action]]:
+        shape = self.shape
+        for r in range(shape.ranks):
+            self.choose(r)
+        while self.heap:
+            start, r, v, _, _, a = heapq.heappop(self.heap)
+            if v != self.version[r]:
+                continue  # (a choice made before the rank or a neighbour moved on)
+            s = shape.stage(r, a.chunk)
+            if a.kind == "F":
+                self.nf[r][a.chunk] += 1
+                self.held[r] += 1
+            elif a.kind == "B":
+                self.nb[r][a.chunk] += 1
+                self.backs[r].append(a)
+            else:
+                self.backs[r].pop(0)
+                self.held[r] -= 1
+            self.free[r] = self.ends[(a.kind, s, a.microbatch)] = start + 1
+            self.acts[r].append(a)
+            for q in {shape.place(t)[0] for t in (s - 1, s, s + 1) if 0 <= t <= self.last}:
+                self.choose(q)
+        # some rank can always go on until every action ran
+        assert all(len(a) == 3 * shape.microbatches * shape.chunks for a in self.acts)
+        return self.acts
+
+    def choose(self, r: int) -> None:
+        """Push rank R's next action (its earliest ready one) on the heap."""
+        ready: list[tuple[int, int, int, Action]] = []
+        ends, free = self.ends, self.free[r]
+        for c in range(self.shape.chunks):
+            s, m = self.shape.stage(r, c), self.nb[r][c]
+            if m < self.nf[r][c]:
+                need = ("F", s, m) if s == self.last else ("B", s + 1, m)
+                if need in ends:
+                    ready.append((max(free, ends[need]), 0, -s, Action("B", m, c)))
+            m = self.nf[r][c]
+            if m < self.shape.microbatches and self.held[r] < self.limit and (s == 0 or ("F", s - 1, m) in ends):
+                ready.append((max(free, ends.get(("F", s - 1, m), 0)), 1, -s, Action("F", m, c)))
+        if self.backs[r]:
+            b = self.backs[r][0]
+            ready.append((free, 2, -self.shape.stage(r, b.chunk), Action("W", b.microbatch, b.chunk)))
+        self.version[r] += 1
         if ready:
-            start, _, kind = min(ready)
-            heapq.heappush(heap, (start, r, version[r], kind))
-
-    for r in range(P):
-        choose(r)
-    while heap:
-        start, r, v, kind = heapq.heappop(heap)
-        if v != version[r]:
-            continue  # (a choice made before the rank or a neighbour moved on)
-        count = {"F": nf, "B": nb, "W": nw}[kind]
-        m = count[r]
-        count[r] += 1
-        free[r] = ends[(kind, r, m)] = start + 1
-        acts[r].append(Action(kind, m))
-        for q in (r - 1, r, r + 1):
-            if 0 <= q < P:
-                choose(q)
-    assert all(len(a) == 3 * M for a in acts)  # some rank can always go on until every action ran
-    return acts
+            start, tie, neg, a = min(ready, key=lambda x: x[:3])
+            heapq.heappush(self.heap, (start, r, self.version[r], tie, neg, a))
 
 
 # What an action waits for: (stage, microbatch, kind) keys.
@@ -435,7 +487,7 @@ def _blocked(order: Order, rank: int, nxt: list[int], ends: dict[Key, float],
             + " and ".join(waits))
 
 
-def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
+def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int | None = None,
                      costs: Costs = Costs()) -> float:
     """The textbook idle fraction, with P ranks, M micro-batches, V chunks:
 
@@ -446,10 +498,12 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
     - zero_bubble: ZB-H1's idle time (P-1)(F + B - W) per rank against M (F + B + W) busy,
       with F, B, W the forward, input_grad and weight_grad of `costs` ((P-1) / (3M + P-1) for
       the defaults);
-    - zero_bubble_h2: no closed form (list-scheduled): the simulated bubble under `costs`.
+    - zero_bubble_h2, zero_bubble_v: no closed form (list-scheduled): the simulated bubble
+      under `costs`.
 
     `simulate` is the source of truth: it can differ from these, most for interleaved with
     few micro-batches."""
+    chunks = (default_chunks(name) if name in ORDERS else 1) if chunks is None else chunks
     _check_arguments(name, ranks, microbatches, chunks)
     P, M, V = ranks, microbatches, chunks
     if name == "interleaved":
@@ -458,8 +512,8 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int = 1,
         f, b, w = costs.forward, costs.input_grad, costs.weight_grad
         idle = (P - 1) * max(0.0, f + b - w)
         return idle / (M * (f + b + w) + idle)
-    if name == "zero_bubble_h2":
-        return simulate(make(name, P, M), costs).bubble()
+    if name in ("zero_bubble_h2", *V_SHAPED):
+        return simulate(make(name, P, M, V), costs).bubble()
     return (P - 1) / (M + P - 1)
 
 

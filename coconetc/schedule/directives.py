@@ -199,7 +199,7 @@ def _pipeline(call: syntax.Call, names: list[str], kws: dict[str, syntax.Kwarg],
             raise _err(v.span, "pipeline()'s layers is a list of integers, each virtual stage's layer count: "
                                "layers=[3, 1]")
         layers = tuple(int(x.value) for x in v.dims if isinstance(x, syntax.DimInt))
-    chunks = _int(kws.get("chunks"), call, 1) if "chunks" in kws else (2 if order == "interleaved" else 1)
+    chunks = _int(kws.get("chunks"), call, 1) if "chunks" in kws else orders.default_chunks(order)
     most = _int(kws["max_activations"], call, 1) if "max_activations" in kws else None
     return Pipeline(names[0] if names else None, _int(kws["stages"], call, 1), _int(kws["microbatches"], call, 1),
                     order, chunks, layers, most, span, where)
@@ -287,7 +287,7 @@ def text(d: Directive) -> str:
     if isinstance(d, Pipeline):
         args = [d.repeat] if d.repeat else []
         args += [f"stages={d.stages}", f"microbatches={d.microbatches}", f'order="{d.order}"']
-        if d.chunks != (2 if d.order == "interleaved" else 1):  # (written only where not the default)
+        if d.chunks != orders.default_chunks(d.order):  # (written only where not the default)
             args.append(f"chunks={d.chunks}")
         if d.layers is not None:
             args.append(f"layers=[{', '.join(map(str, d.layers))}]")

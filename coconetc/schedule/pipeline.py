@@ -7,7 +7,8 @@ micro-batches in an order of coconetc.pipeline.orders (docs/pipeline.md).
 
 It names the repeat whose layers it cuts (`pipeline(y, ...)`, or the program's only repeat) and
 takes: stages (pipeline ranks, P), microbatches (M), order (a name of orders.ORDERS, default
-"1f1b"), chunks (V model chunks a rank, the interleaved order's; default 1, or 2 for it),
+"1f1b"), chunks (V model chunks a rank: the interleaved order's, 2 by default; zero_bubble_v's,
+2; the others' 1),
 layers (each virtual stage's layer count, in stage order; default as even as can be, the first
 stages taking one more) and max_activations (refuses an order under which a rank would hold
 more micro-batches' activations at once). It changes nothing the program computes: the
@@ -83,6 +84,12 @@ def cut(p: Program, d: Pipeline) -> Cut:
                               f"of layer {bad[1]} of {name} ({name}__l<layer>__<stage>), but it is not one (the "
                               "other layers have no such stage, or it stands apart from its layer's stages): the "
                               "layers are found by these names; rename it")
+    try:
+        order = orders.make(d.order, d.stages, d.microbatches, d.chunks)
+    except ValueError as err:
+        key = "order=" if "order" in str(err) and d.order not in orders.ORDERS else \
+            "microbatches=" if "microbatch" in str(err) else "chunks="
+        raise CompileError.at(d.at(key), f"pipeline(): {err}") from None
     n = len(layer_ranges(p, name))
     virtual = d.stages * d.chunks
     if virtual > n:
@@ -103,12 +110,6 @@ def cut(p: Program, d: Pipeline) -> Cut:
                                   "needs at least one")
         if sum(sizes) != n:
             raise CompileError.at(d.at("layers="), f"pipeline(): layers= adds up to {sum(sizes)}; {name} has {n}")
-    try:
-        order = orders.make(d.order, d.stages, d.microbatches, d.chunks)
-    except ValueError as err:
-        key = "order=" if "order" in str(err) and d.order not in orders.ORDERS else \
-            "microbatches=" if "microbatch" in str(err) else "chunks="
-        raise CompileError.at(d.at(key), f"pipeline(): {err}") from None
     if d.max_activations is not None:
         peak = _peaks(order)
         worst = max(range(d.stages), key=lambda r: peak[r])
@@ -133,7 +134,7 @@ def _within(d: Pipeline) -> str:
     """What keeps to D's max_activations: the other one-chunk orders that do at its stages and
     micro-batches, and the most micro-batches its own order does it with (M = 1 holds one)."""
     assert d.max_activations is not None
-    fits = [f'order "{o}"' for o in orders.ORDERS if o not in (d.order, "interleaved")
+    fits = [f'order "{o}"' for o in orders.ORDERS if o != d.order and orders.default_chunks(o) == 1
             and max(_peaks(orders.make(o, d.stages, d.microbatches))) <= d.max_activations]
     for m in range(d.microbatches - 1, 0, -1):
         try:

@@ -268,8 +268,8 @@ class Pipeline:
     """A pipeline of P stages (the ranks of COMM, in rank order; each the rank of its stage's
     tensor-parallel group at this rank's position) running ORDER (a name of
     coconetc.pipeline.orders.ORDERS, or an Order) over MICROBATCHES micro-batches; CHUNKS: this
-    rank's virtual stages (one, or V for the interleaved order: chunk c is virtual stage
-    c * P + rank). loss_fn(output, target) -> the micro-batch's loss (mean over its rows);
+    rank's virtual stages (one; V for the interleaved order, chunk c virtual stage c * P + rank;
+    2 for zero_bubble_v, stages rank and 2 P - 1 - rank: Order.stage). loss_fn(output, target) -> the micro-batch's loss (mean over its rows);
     tp_comm: the stage's tensor-parallel group (for the sliced boundary), None for one rank."""
 
     def __init__(self, chunks: Sequence[Chunk], order: str | _orders.Order, *, microbatches: int, comm: Any,
