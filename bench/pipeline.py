@@ -351,31 +351,10 @@ def barrier(world: Any, inside: bool) -> None:
             time.sleep(0.0005)
 
 
-def watch_recv(pipe: Any) -> list[tuple[float, float]]:
-    """The (start, end) perf_counter times of every receive of PIPE (a receive blocks inside the
-    action that needs it: that wait is idle time, not work); cleared by the caller."""
-    waits: list[tuple[float, float]] = []
-    orig = pipe._recv
-
-    def recv(*args: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
-        out = orig(*args, **kw)
-        waits.append((t, time.perf_counter()))
-        return out
-    pipe._recv = recv
-    return waits
-
-
-def work_events(pipe: Any, base: float, waits: list[tuple[float, float]]) -> list[tuple]:
-    """This rank's (kind, m, chunk, start, end, work) of the last step, times from BASE (the
-    perf_counter just before step(), after the barrier; the step's own start is microseconds
-    later); work: the action's time less its receives' waits."""
-    rel = [(s - base, e - base) for s, e in waits]
-    out = []
-    for ev in pipe.events:
-        blocked = sum(e - s for s, e in rel if ev.start - 1e-4 <= (s + e) / 2 <= ev.end + 1e-4)
-        out.append((ev.kind, ev.microbatch, ev.chunk, ev.start, ev.end, max(ev.end - ev.start - blocked, 0.0)))
-    return out
+def work_events(pipe: Any) -> list[tuple]:
+    """This rank's (kind, m, chunk, start, end, work) of the last step, times from the step's
+    start; work: the action's time less its receives' waits (Event.work)."""
+    return [(ev.kind, ev.microbatch, ev.chunk, ev.start, ev.end, max(ev.work, 0.0)) for ev in pipe.events]
 
 
 def bubble_of(events: list[list[tuple]]) -> float:
@@ -399,7 +378,6 @@ class Case:
         err = ""
         if self.inside:
             self.pipe, self.chunks, self.cparams = coconet_pipeline(model, a, order, M, P, sub, block)
-            self.waits = watch_recv(self.pipe)
             try:
                 if a.no_torch:
                     err = "not run (--no-torch)"
@@ -420,12 +398,11 @@ class Case:
         for p in self.cparams:
             p.grad = None
         r, last = self.sub.Get_rank(), self.pipe.order.place(self.pipe.order.stages - 1)[0]
-        self.waits.clear()
         barrier(self.world, True)
         t0 = time.perf_counter()
         loss = self.pipe.step(idx if r == 0 else None, tgt if r == last else None)
         dt = time.perf_counter() - t0
-        return dt, loss, work_events(self.pipe, t0, self.waits)
+        return dt, loss, work_events(self.pipe)
 
     def torch_step(self, idx: Any, tgt: Any) -> tuple[float, float | None, str]:
         """(seconds, loss on the last stage's rank, the error torch raised or "")."""
@@ -451,15 +428,18 @@ class Case:
         tt: list[float] = []
         ot: list[float] = []
         events: list[list[list[tuple]]] = []  # per timed step, per rank
+        self.step_orders: list[Any] = []  # per timed step, the order it ran (retimed: Pipeline's retime)
         losses = (0.0, 0.0)
         gc.collect()  # the previous case's garbage collected now, not inside a timed step
         gc.disable()
         for rep in range(self.a.reps + 1):
+            used = self.pipe.order if self.inside else None
             dt, cl, evs = self.coconet_step(idx, tgt)
             ct.append(world.allreduce(dt, op=MPI.MAX))
             got = world.gather(evs, root=0)
             if rep > 0 and world.Get_rank() == 0:
                 events.append(got[:self.P])
+                self.step_orders.append(used)
             if self.a.old_receives:
                 ot.append(world.allreduce(self.coconet_step(idx, tgt, ahead=False)[0], op=MPI.MAX))
             tl = None
@@ -506,7 +486,7 @@ class Case:
                     durs[e[0]].append(e[5])
         med = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
         res["costs_s"] = med
-        o = orders.make(order, P, M, chunks_of(order))
+        o = self.pipe.order  # (as the last timed step ran it)
         sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
                                               weight_grad=med["W"]))
         res["bubble_predicted"] = sim.bubble()
@@ -526,9 +506,9 @@ class Case:
         # each step replayed: the order's dependencies with each action's own work (what is left
         # between this and the measured bubble: waiting that no action's time explains)
         res["bubble_replayed"] = statistics.median(
-            orders.simulate(o, stage_costs, times={(r, orders.Action(e[0], e[1], e[2])): e[5]
-                                                   for r, rank_evs in enumerate(evs) for e in rank_evs}).bubble()
-            for evs in events)
+            orders.simulate(ran, stage_costs, times={(r, orders.Action(e[0], e[1], e[2])): e[5]
+                                                     for r, rank_evs in enumerate(evs) for e in rank_evs}).bubble()
+            for evs, ran in zip(events, self.step_orders))
         res["bubble_textbook"] = orders.predicted_bubble(order, P, M, o.chunks,
                                                          orders.Costs(med["F"], med["B"], med["B"], med["W"]))
         # peak activations on the measured timeline of the last step

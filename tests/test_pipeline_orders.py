@@ -175,6 +175,34 @@ def test_zero_bubble_v_idles_least_at_1f1bs_memory(P: int, M: int) -> None:
         make("zero_bubble_v", P, M, 1)
 
 
+@pytest.mark.parametrize("name", ["zero_bubble_h2", "zero_bubble_v"])
+def test_list_scheduled_orders_are_built_for_the_times_given(name: str) -> None:
+    """make(..., costs=): the lists built for measured times (a B longer than its W, the first
+    and last stages slower) end no later under them than those built for F = B = W, and keep
+    to the order's memory; for ZB-V at P=2, M=8 (bench/pipeline.py's times) they idle half as
+    long. Random times never leave a rank stuck (each order checked)."""
+    import random
+    rng = random.Random(3)
+    for P, M in [(2, 4), (2, 8), (3, 5), (4, 8)]:
+        V = default_chunks(name)
+        for _ in range(8):
+            costs = [Costs(forward=rng.uniform(0.5, 2), input_grad=rng.uniform(0.5, 2.5),
+                           weight_grad=rng.uniform(0.3, 1.5)) for _ in range(P * V)]
+            timed = make(name, P, M, costs=costs)
+            check(timed)
+            t = simulate(timed, costs)
+            assert t.makespan <= simulate(make(name, P, M), costs).makespan + 1e-9
+            assert max(t.peak_activations(r) for r in range(P)) <= (2 * P if V == 2 else 2 * P - 1)
+    if name == "zero_bubble_v":
+        first_last = Costs(forward=7.5, input_grad=8.7, weight_grad=6.5)
+        middle = Costs(forward=6.9, input_grad=7.8, weight_grad=6.5)
+        costs = [first_last, middle, middle, first_last]
+        unit, timed = simulate(make(name, 2, 8), costs).bubble(), simulate(make(name, 2, 8, costs=costs), costs).bubble()
+        assert timed < unit / 2, (timed, unit)
+    with pytest.raises(ValueError, match="3 stages' costs for an order of"):
+        make(name, 2, 4, costs=[Costs()] * 3)
+
+
 def test_zero_bubble_h2_worked_by_hand() -> None:
     # P=2, M=4, F=2, B=3, W=2 (1F1B's backward 5): 1F1B takes (M+P-1)(F+B+W) = 35, busy 28 a
     # rank: bubble 1/5. ZB-H1 31: rank 0 waits 3 for B0 (F+B-W), rank 1 waits 2 at the start,

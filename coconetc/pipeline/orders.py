@@ -24,7 +24,8 @@ The orders (P ranks, M micro-batches, V model chunks per rank):
 - `zero_bubble_h2`: ZB-H2 (Qi et al. 2023), zero bubble for more memory: every rank may hold
   up to 2P - 1 micro-batches' activations (from an F's start to its W's end), so the first
   ranks run more forwards before their first B and every rank keeps W's back to fill the end
-  of the pipeline. Built by list scheduling with F = B = W (`_list_scheduled`); what is left idle is
+  of the pipeline. Built by list scheduling with F = B = W, or with the action times given to
+  `make` (`_list_scheduled`; the runtime gives it those it measured); what is left idle is
   mostly the pipeline's start, rank r waiting r forwards, and the last micro-batch's B
   travelling back. Not one of torch's single-stage schedules (bench/pipeline.py runs torch's
   pipelining on these very action lists).
@@ -33,7 +34,7 @@ The orders (P ranks, M micro-batches, V model chunks per rank):
   r and 2P - 1 - r, so the first and the last stage are rank 0's and a micro-batch turns back
   at rank P - 1 without a transfer; the backward split into B and W, and every rank holding
   at most 2P chunks' activations (1F1B's peak: each chunk is half a stage). Built by the same
-  list scheduling as ZB-H2 over the virtual stages (`_list_scheduled`); with F = B = W it
+  list scheduling as ZB-H2 over the virtual stages (`_list_scheduled`, for given times alike); with F = B = W it
   idles only while the pipeline fills, about a third of 1F1B's bubble at equal memory.
 """
 
@@ -42,11 +43,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2", "zero_bubble_v")
 SPLIT = ("zero_bubble", "zero_bubble_h2", "zero_bubble_v")  # the orders that split each backward into B and W
 V_SHAPED = ("zero_bubble_v",)  # the orders whose rank r holds stages r and 2P - 1 - r (2 chunks)
+LIST_SCHEDULED = ("zero_bubble_h2", "zero_bubble_v")  # built for given action times (make's costs)
 
 
 def default_chunks(name: str) -> int:
@@ -116,13 +118,20 @@ def layer_bounds(layers: int, stages: int) -> list[int]:
     return bounds
 
 
-def make(name: str, ranks: int, microbatches: int, chunks: int | None = None) -> Order:
+def make(name: str, ranks: int, microbatches: int, chunks: int | None = None,
+         costs: Costs | Sequence[Costs] | None = None) -> Order:
     """The order `name` for `ranks` pipeline ranks, `microbatches` micro-batches and `chunks`
     model chunks per rank (more than one only for `interleaved` and `zero_bubble_v`; by
-    default the order's own, default_chunks)."""
+    default the order's own, default_chunks). COSTS (one Costs, or one a virtual stage, in
+    stage order): the action times the list-scheduled orders (LIST_SCHEDULED) are built for,
+    in place of F = B = W (of the lists built for them and those built for F = B = W, the one
+    that ends first under them: list scheduling is greedy); the other orders are the same for
+    any."""
     chunks = (default_chunks(name) if name in ORDERS else 1) if chunks is None else chunks
     _check_arguments(name, ranks, microbatches, chunks)
     P, M = ranks, microbatches
+    if costs is not None and not isinstance(costs, Costs) and len(costs) != ranks * chunks:
+        raise ValueError(f"make: {len(costs)} stages' costs for an order of {ranks * chunks} virtual stages")
     if name == "gpipe":
         lists = [[Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
                  for _ in range(P)]
@@ -132,10 +141,14 @@ def make(name: str, ranks: int, microbatches: int, chunks: int | None = None) ->
         lists = [_interleaved(P, M, chunks, r) for r in range(P)]
     elif name == "zero_bubble":
         lists = [_zb_h1(P, M, r) for r in range(P)]
-    elif name == "zero_bubble_h2":
-        lists = _list_scheduled(Order(name, P, M, 1, True, ()), 2 * P - 1)
     else:
-        lists = _list_scheduled(Order(name, P, M, 2, True, (), v_shaped=True), 2 * P)
+        shape = Order(name, P, M, chunks, True, (), name in V_SHAPED)
+        limit = 2 * P if shape.v_shaped else 2 * P - 1
+        unit = replace(shape, actions=tuple(map(tuple, _list_scheduled(shape, limit))))
+        if costs is None:
+            return unit
+        timed = replace(shape, actions=tuple(map(tuple, _list_scheduled(shape, limit, costs))))
+        return min((timed, unit), key=lambda o: simulate(o, costs).makespan)
     return Order(name, P, M, chunks, name in SPLIT, tuple(tuple(a) for a in lists), name in V_SHAPED)
 
 
@@ -210,7 +223,7 @@ def _zb_h1(P: int, M: int, rank: int) -> list[Action]:
     return acts + [Action("W", m) for m in range(w, M)]
 
 
-def _list_scheduled(shape: Order, limit: int) -> list[list[Action]]:
+def _list_scheduled(shape: Order, limit: int, costs: Costs | Sequence[Costs] | None = None) -> list[list[Action]]:
     """Each rank's list for SHAPE's ranks, micro-batches, chunks and placement (its actions
     unused), by list scheduling with F = B = W = 1 and at most LIMIT (chunk, micro-batch)
     activations held a rank (from an F's start to its W's end): the earliest action any rank
@@ -220,24 +233,29 @@ def _list_scheduled(shape: Order, limit: int) -> list[list[Action]]:
     before F before W, and the later stage first. So a W runs only where the rank would
     otherwise wait, or where the limit stops its next F (ZB-H2 with one chunk and 2P - 1, ZB-V
     with two in a V and 2P). A heap of each rank's choice; an action changes only its own
-    rank's and its neighbours' (the ranks of the stages next to its stage)."""
-    return _ListScheduler(shape, limit).run()
+    rank's and its neighbours' (the ranks of the stages next to its stage). COSTS (one Costs, or
+    one a virtual stage): each action's time in place of 1 (F, B, W: forward, input_grad,
+    weight_grad), so the W's fill the gaps those times leave. Where that fills a rank with first
+    chunks' activations so that nothing can go on (ZB-V with unequal times can), scheduled again
+    with a new micro-batch let in only where all its chunks' activations fit."""
+    return _ListScheduler(shape, limit, costs, False).run() or _ListScheduler(shape, limit, costs, True).run() or []
 
 
 class _ListScheduler:
-    def __init__(self, shape: Order, limit: int):
+    def __init__(self, shape: Order, limit: int, costs: Costs | Sequence[Costs] | None, reserve: bool):
         P, V = shape.ranks, shape.chunks
+        self.costs, self.reserve = costs, reserve
         self.shape, self.limit, self.last = shape, limit, shape.stages - 1
         self.acts: list[list[Action]] = [[] for _ in range(P)]
-        self.ends: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end
-        self.free = [0] * P
+        self.ends: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end
+        self.free = [0.0] * P
         self.nf, self.nb = [[0] * V for _ in range(P)], [[0] * V for _ in range(P)]
         self.backs: list[list[Action]] = [[] for _ in range(P)]  # each rank's B's whose W has not run
         self.held = [0] * P
         self.version = [0] * P
-        self.heap: list[tuple[int, int, int, int, int, Action]] = []  # (start, rank, version, tie, -stage, action)
+        self.heap: list[tuple[float, int, int, int, int, Action]] = []  # (start, rank, version, tie, -stage, action)
 
-    def run(self) -> list[list[Action]]:
+    def run(self) -> list[list[Action]] | None:
         shape = self.shape
         for r in range(shape.ranks):
             self.choose(r)
@@ -255,27 +273,39 @@ class _ListScheduler:
             else:
                 self.backs[r].pop(0)
                 self.held[r] -= 1
-            self.free[r] = self.ends[(a.kind, s, a.microbatch)] = start + 1
+            self.free[r] = self.ends[(a.kind, s, a.microbatch)] = start + self.time(s, a.kind)
             self.acts[r].append(a)
             for q in {shape.place(t)[0] for t in (s - 1, s, s + 1) if 0 <= t <= self.last}:
                 self.choose(q)
-        # some rank can always go on until every action ran
-        assert all(len(a) == 3 * shape.microbatches * shape.chunks for a in self.acts)
+        if any(len(a) < 3 * shape.microbatches * shape.chunks for a in self.acts):
+            assert not self.reserve  # (with it, a later chunk's F never waits for memory)
+            return None
         return self.acts
+
+    def time(self, stage: int, kind: str) -> float:
+        if self.costs is None:
+            return 1.0
+        c = self.costs if isinstance(self.costs, Costs) else self.costs[stage]
+        return c.of(kind, True)
 
     def choose(self, r: int) -> None:
         """Push rank R's next action (its earliest ready one) on the heap."""
-        ready: list[tuple[int, int, int, Action]] = []
-        ends, free = self.ends, self.free[r]
-        for c in range(self.shape.chunks):
+        ready: list[tuple[float, int, int, Action]] = []
+        ends, free, V, nf = self.ends, self.free[r], self.shape.chunks, self.nf[r]
+        # the units that the micro-batches past some of this rank's chunks will take in the rest:
+        # a new micro-batch starts (chunk 0) only where all of its chunks' fit besides them, so
+        # a later chunk's F never waits for memory (no rank can fill up with first chunks)
+        reserved = sum((nf[k] - nf[k + 1]) * (V - 1 - k) for k in range(V - 1))
+        for c in range(V):
             s, m = self.shape.stage(r, c), self.nb[r][c]
             if m < self.nf[r][c]:
                 need = ("F", s, m) if s == self.last else ("B", s + 1, m)
                 if need in ends:
                     ready.append((max(free, ends[need]), 0, -s, Action("B", m, c)))
-            m = self.nf[r][c]
-            if m < self.shape.microbatches and self.held[r] < self.limit and (s == 0 or ("F", s - 1, m) in ends):
-                ready.append((max(free, ends.get(("F", s - 1, m), 0)), 1, -s, Action("F", m, c)))
+            m = nf[c]
+            fits = (c > 0 or self.held[r] + reserved + V <= self.limit) if self.reserve else self.held[r] < self.limit
+            if m < self.shape.microbatches and fits and (s == 0 or ("F", s - 1, m) in ends):
+                ready.append((max(free, ends.get(("F", s - 1, m), 0.0)), 1, -s, Action("F", m, c)))
         if self.backs[r]:
             b = self.backs[r][0]
             ready.append((free, 2, -self.shape.stage(r, b.chunk), Action("W", b.microbatch, b.chunk)))

@@ -55,6 +55,7 @@ _DTYPES = (np.float32, np.float64, np.float16)
 _KINDS = {F: 0, B: 1}
 _NAP = 5e-5  # s between a waiting rank's polls where ranks outnumber cores (Pipeline._wait)
 _AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the one waited for
+RETIMED = 2  # steps after each of which a list-scheduled order is scheduled again (Pipeline retime=)
 
 
 class Block:
@@ -262,6 +263,7 @@ class Event:
     chunk: int
     start: float
     end: float
+    work: float = 0.0  # end - start less the time its receives waited for their messages
 
 
 class Pipeline:
@@ -273,7 +275,8 @@ class Pipeline:
     tp_comm: the stage's tensor-parallel group (for the sliced boundary), None for one rank."""
 
     def __init__(self, chunks: Sequence[Chunk], order: str | _orders.Order, *, microbatches: int, comm: Any,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, tp_comm: Any = None):
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, tp_comm: Any = None,
+                 retime: bool = True):
         self.comm, self.tp_comm = comm, tp_comm
         self.rank, self.ranks = comm.Get_rank(), comm.Get_size()
         self.chunks = list(chunks)
@@ -288,6 +291,10 @@ class Pipeline:
         tp = 1 if tp_comm is None else tp_comm.Get_size()
         self._tp_sizes = comm.allgather(tp)
         self.order, _ = self._agree(lambda: self._checked(order))
+        # a list-scheduled order named here is scheduled again for the action times measured in
+        # each of the first RETIMED steps (orders.make's costs), the same on every rank
+        self._retimes = RETIMED if retime and isinstance(order, str) and order in _orders.LIST_SCHEDULED else 0
+        self._waited = 0.0  # the current action's time in receive waits
         # (dtype, shape) of each boundary's message, (kind, virtual stage) -> it, by the shape and
         # dtype of the batch's micro-batches (the first stage's): the receives of a step with a
         # batch seen before are posted ahead, without headers
@@ -421,7 +428,8 @@ class Pipeline:
 
     def _recv(self, kind: str, m: int, stage: int, frm: int, sliced: bool) -> torch.Tensor:
         """The (KIND, M)'s message for virtual stage STAGE from rank FRM, waited for here (the
-        next receive of its kind posted first)."""
+        next receive of its kind posted first); its time is the action's _waited."""
+        t0 = time.perf_counter()
         posted = self._posted.pop((kind, m, stage), None)
         if posted is None:  # not posted (its shape not known yet): the first not posted
             self._todo[kind].pop(0)
@@ -439,6 +447,7 @@ class Pipeline:
         if sliced:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
+        self._waited += time.perf_counter() - t0
         return torch.from_numpy(a).to(self._device)
 
     def _wait(self, reqs: list[Any]) -> None:
@@ -486,6 +495,7 @@ class Pipeline:
         t0 = time.perf_counter()
         for act in order.actions[self.rank]:
             start = time.perf_counter() - t0
+            self._waited = 0.0
             if act.kind == F:
                 self._forward(act)
             elif act.kind == B:
@@ -493,12 +503,37 @@ class Pipeline:
             else:
                 for layer in self.chunks[act.chunk].layers:
                     layer.weight(act.microbatch)
-            self.events.append(Event(act.kind, act.microbatch, act.chunk, start, time.perf_counter() - t0))
+            end = time.perf_counter() - t0
+            self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
             self._progress()
         self._wait(self._pending)
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
+        if self._retimes:
+            self._retimes -= 1
+            self.order = self._retimed()
         return sum(self._losses) / M if self.rank == last else None
+
+    def _retimed(self) -> _orders.Order:
+        """The order scheduled again for the last step's action times: each virtual stage's
+        median F, B and W work (on the slowest rank of its tensor-parallel group), gathered from
+        every stage, so every rank of the pipeline and of each stage's group makes the same."""
+        order, V = self.order, len(self.chunks)
+        mine = np.zeros((V, 3))
+        for c in range(V):
+            for i, kind in enumerate(_orders.KINDS):
+                times = sorted(e.work for e in self.events if e.chunk == c and e.kind == kind)
+                mine[c, i] = times[len(times) // 2] if times else 0.0
+        if self.tp_comm is not None and self.tp_comm.Get_size() > 1:
+            from mpi4py import MPI
+            self.tp_comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        every = self.comm.allgather(mine)
+        costs = []
+        for st in range(order.stages):
+            r, c = order.place(st)
+            f, b, w = (float(x) for x in every[r][c])
+            costs.append(_orders.Costs(forward=f, backward=b + w, input_grad=b, weight_grad=w))
+        return _orders.make(order.name, order.ranks, order.microbatches, order.chunks, costs)
 
     def _forward(self, act: _orders.Action) -> None:
         order, chunk, key = self.order, self.chunks[act.chunk], (act.chunk, act.microbatch)

@@ -649,7 +649,8 @@ def pipeline_text(mod: SourceFile, program: str, schedule: str, ranks: int, give
     cost model: each virtual stage's modelled forward and backward (input and weight gradient
     where the order splits it) on one micro-batch (the batch, dim 0 of FIRST, divided by the
     micro-batches) and RANKS ranks a stage, the timeline they give (orders.simulate with each
-    stage's costs), its bubble and each rank's peak activations; CHART: a PNG of it."""
+    stage's costs; a list-scheduled order built for them), its bubble and each rank's peak
+    activations; CHART: a PNG of it."""
     from coconetc.autodiff.saved import bwd_name, input_name, weight_name
     from coconetc.pipeline import orders
     from coconetc.schedule.pipeline import cut, directive, stage_name
@@ -688,7 +689,11 @@ def pipeline_text(mod: SourceFile, program: str, schedule: str, ranks: int, give
         lines.append(f"  stage {s} (layers {a}..{z - 1}): F {f * 1e3:.3f} ms, B {b * 1e3:.3f} ms"
                      + (f" (input gradient {bi * 1e3:.3f} ms + weight gradient {w * 1e3:.3f} ms)"
                         if c.order.split_backward else ""))
-    timeline = orders.simulate(c.order, costs)
+    order = c.order
+    if order.name in orders.LIST_SCHEDULED:  # (built for these times, as the runtime builds it for its own)
+        order = orders.make(order.name, order.ranks, order.microbatches, order.chunks, costs)
+        lines.append(f"(order {order.name} built for these times, as a Pipeline builds it again for the times it measures)")
+    timeline = orders.simulate(order, costs)
     lines.append(f"step {timeline.makespan * 1e3:.3f} ms; bubble {timeline.bubble():.3f}; peak micro-batches held: "
                  + ", ".join(f"rank {r} {timeline.peak_activations(r)}" for r in range(c.order.ranks)))
     lines += orders.render(timeline).splitlines()
