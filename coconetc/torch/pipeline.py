@@ -271,8 +271,10 @@ class Pipeline:
     tensor-parallel group at this rank's position) running ORDER (a name of
     coconetc.pipeline.orders.ORDERS, or an Order) over MICROBATCHES micro-batches; CHUNKS: this
     rank's virtual stages (one; V for the interleaved order, chunk c virtual stage c * P + rank;
-    2 for zero_bubble_v, stages rank and 2 P - 1 - rank: Order.stage). loss_fn(output, target) -> the micro-batch's loss (mean over its rows);
-    tp_comm: the stage's tensor-parallel group (for the sliced boundary), None for one rank."""
+    2 for zero_bubble_v, stages rank and 2 P - 1 - rank: Order.stage). loss_fn(output, target)
+    -> the micro-batch's loss (mean over its rows); tp_comm: the stage's tensor-parallel group
+    (for the sliced boundary), None for one rank; retime: a list-scheduled order given by name
+    is scheduled again for the action times each of the first RETIMED steps measured."""
 
     def __init__(self, chunks: Sequence[Chunk], order: str | _orders.Order, *, microbatches: int, comm: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, tp_comm: Any = None,
