@@ -11,7 +11,8 @@ a nanoGPT-shaped GPT (bench/nanogpt.py, f32) cut into P stages of one rank each,
            refuses it, ScheduleZBVZeroBubble with 2 stages a rank, and the reason is reported);
            zero_bubble_h2, which torch has no single-stage schedule for: torch's schedule runtime
            (_PipelineScheduleRuntime, the one its zero-bubble schedules run on) given coconet's
-           own action lists (F, I for B, W), so both run the same order; zero_bubble_v:
+           own action lists (F, I for B, W) as built for F = B = W (coconet's Pipeline builds
+           them again for its measured times after its first two steps); zero_bubble_v:
            ScheduleZBVZeroBubble (2 stages a rank, rank r holding stages r and 2P-1-r)
 
 Both run the same layer cut (layer bounds as even as can be, interleaved: virtual stage
