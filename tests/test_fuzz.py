@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coconetc.sourcefile import load_source
+from coconetc.sourcefile import SourceFile, load_source
 from coconetc.errors import CompileError
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.ccn"))
@@ -23,10 +23,11 @@ FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
                                        HealthCheck.filter_too_much])
 
 
-def _load(src: str) -> None:
-    """Load src; only a well-formed CompileError may escape."""
+def _load(src: str) -> SourceFile | None:
+    """Load src (the module, None where it does not load); only a well-formed CompileError may
+    escape."""
     try:
-        load_source(src, "t.ccn")
+        return load_source(src, "t.ccn")
     except CompileError as err:
         assert err.diagnostics, "a CompileError without diagnostics"
         lines = src.split("\n")
@@ -41,6 +42,7 @@ def _load(src: str) -> None:
             assert rendered[1] == "    " + lines[d.span.line - 1].removesuffix("\r"), text
             assert len(rendered[2]) - len(rendered[2].lstrip(" \t")) == 4 + d.span.col - 1, text
         assert str(err)
+    return None
 
 
 # --- (a) random token soup from a grammar-aware alphabet ---------------------------------
@@ -115,14 +117,16 @@ def _mutated(draw) -> str:
 _INT_LITERAL = re.compile(r"(?<![\w.])(\d{19,})(?![\w.])")
 
 
-def _generate(src: str) -> str | None:
-    """C++ for a mutant that loads (None if it does not): code generation may only refuse with
-    a located CompileError, and the C++ must hold no literal a C++ compiler rejects."""
+def _generate(src: str, mod: SourceFile | None = None) -> str | None:
+    """C++ for a mutant that loads (None if it does not; MOD: it loaded already): code
+    generation may only refuse with a located CompileError, and the C++ must hold no literal a
+    C++ compiler rejects."""
     from coconetc.codegen.cpu import generate
-    try:
-        mod = load_source(src, "t.ccn")
-    except CompileError:
-        return None
+    if mod is None:
+        try:
+            mod = load_source(src, "t.ccn")
+        except CompileError:
+            return None
     if not mod.programs:
         return None
     try:
@@ -140,8 +144,9 @@ def _generate(src: str) -> str | None:
 @FUZZ
 @given(_mutated())
 def test_mutated_examples(src: str) -> None:
-    _load(src)
-    _generate(src)
+    mod = _load(src)
+    if mod is not None:
+        _generate(src, mod)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True,
