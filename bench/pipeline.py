@@ -11,8 +11,8 @@ a nanoGPT-shaped GPT (bench/nanogpt.py, f32) cut into P stages of one rank each,
            refuses it, ScheduleZBVZeroBubble with 2 stages a rank, and the reason is reported);
            zero_bubble_h2, which torch has no single-stage schedule for: torch's schedule runtime
            (_PipelineScheduleRuntime, the one its zero-bubble schedules run on) given coconet's
-           own action lists (F, I for B, W) as built for F = B = W (coconet's Pipeline builds
-           them again for its measured times after its first two steps); zero_bubble_v:
+           own action lists (F, I for B, W), those coconet's Pipeline ran in its step before
+           (built for F = B = W, then again for its measured times); zero_bubble_v:
            ScheduleZBVZeroBubble (2 stages a rank, rank r holding stages r and 2P-1-r)
 
 Both run the same layer cut (layer bounds as even as can be, interleaved: virtual stage
@@ -296,15 +296,20 @@ def torch_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int
 def same_order(order: str, P: int, M: int) -> Any:
     """A torch schedule class that runs coconet's ORDER (one stage a rank) on torch's pipeline
     runtime: each rank's actions as torch's compute actions (F; B as I, the input gradient, where
-    the order splits the backward; W), lowered by torch to its sends and receives."""
+    the order splits the backward; W), lowered by torch to its sends and receives. use(o): run
+    the lists of the Order o from the next step on (coconet's, built again for its measured
+    times: both sides run the same lists)."""
     from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
-    o = make(order, P, M)
-    kinds = {"F": _ComputationType.FORWARD, "W": _ComputationType.BACKWARD_WEIGHT,
-             "B": _ComputationType.BACKWARD_INPUT if o.split_backward else _ComputationType.FULL_BACKWARD}
 
     class SameOrder(_PipelineScheduleRuntime):
         def __init__(self, stages: list[Any], n_microbatches: int, loss_fn: Any) -> None:
             super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+            self.use(make(order, P, M))
+
+        def use(self, o: Any) -> None:
+            self.source = o
+            kinds = {"F": _ComputationType.FORWARD, "W": _ComputationType.BACKWARD_WEIGHT,
+                     "B": _ComputationType.BACKWARD_INPUT if o.split_backward else _ComputationType.FULL_BACKWARD}
             self.pipeline_order = {r: [_Action(o.stage(r, x.chunk), kinds[x.kind], x.microbatch) for x in acts]
                                    for r, acts in enumerate(o.actions)}
             self._prepare_schedule_with_comms(self.pipeline_order)
@@ -444,6 +449,9 @@ class Case:
             if self.a.old_receives:
                 ot.append(world.allreduce(self.coconet_step(idx, tgt, ahead=False)[0], op=MPI.MAX))
             tl = None
+            sched = self.tp["schedule"] if self.tp else None
+            if hasattr(sched, "use") and sched.source is not self.pipe.order:
+                sched.use(self.pipe.order)  # (coconet's lists built again for its times: torch runs them too)
             if not self.torch_err:
                 dt, tl, err = self.torch_step(idx, tgt)
                 tt.append(world.allreduce(dt, op=MPI.MAX))
