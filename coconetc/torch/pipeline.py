@@ -55,7 +55,7 @@ _DTYPES = (np.float32, np.float64, np.float16)
 _KINDS = {F: 0, B: 1}
 _NAP = 5e-5  # s between a waiting rank's polls where ranks outnumber cores (Pipeline._wait)
 _AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the one waited for
-RETIMED = 2  # steps after each of which a list-scheduled order is scheduled again (Pipeline retime=)
+RETIMED = 3  # steps after each of which a list-scheduled order is scheduled again (Pipeline retime=)
 
 
 class Block:
@@ -296,6 +296,7 @@ class Pipeline:
         # a list-scheduled order named here is scheduled again for the action times measured in
         # each of the first RETIMED steps (orders.make's costs), the same on every rank
         self._retimes = RETIMED if retime and isinstance(order, str) and order in _orders.LIST_SCHEDULED else 0
+        self._timed: list[Event] = []  # the events of the steps retimed so far
         self._waited = 0.0  # the current action's time in receive waits
         # (dtype, shape) of each boundary's message, (kind, virtual stage) -> it, by the shape and
         # dtype of the batch's micro-batches (the first stage's): the receives of a step with a
@@ -517,14 +518,16 @@ class Pipeline:
         return sum(self._losses) / M if self.rank == last else None
 
     def _retimed(self) -> _orders.Order:
-        """The order scheduled again for the last step's action times: each virtual stage's
-        median F, B and W work (on the slowest rank of its tensor-parallel group), gathered from
-        every stage, so every rank of the pipeline and of each stage's group makes the same."""
+        """The order scheduled again for the action times of the steps so far: each virtual
+        stage's median F, B and W work over them (on the slowest rank of its tensor-parallel
+        group), gathered from every stage, so every rank of the pipeline and of each stage's
+        group makes the same."""
         order, V = self.order, len(self.chunks)
+        self._timed += self.events
         mine = np.zeros((V, 3))
         for c in range(V):
             for i, kind in enumerate(_orders.KINDS):
-                times = sorted(e.work for e in self.events if e.chunk == c and e.kind == kind)
+                times = sorted(e.work for e in self._timed if e.chunk == c and e.kind == kind)
                 mine[c, i] = times[len(times) // 2] if times else 0.0
         if self.tp_comm is not None and self.tp_comm.Get_size() > 1:
             from mpi4py import MPI
