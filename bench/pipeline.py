@@ -276,12 +276,12 @@ def torch_pipeline(model: Any, a: argparse.Namespace, order: str, M: int, P: int
         got = build(1, [r], pp.ScheduleGPipe)
     elif order == "1f1b":
         got = build(1, [r], pp.Schedule1F1B)
-    elif order == "interleaved":
-        got = build(V_INTERLEAVED, [r + c * P for c in range(V_INTERLEAVED)], pp.ScheduleInterleaved1F1B)
+    elif order in ("interleaved", "zero_bubble_v"):  # (each rank's stages as coconet's order places them)
+        placed = make(order, P, M, chunks_of(order))
+        got = build(placed.chunks, [placed.stage(r, c) for c in range(placed.chunks)],
+                    pp.ScheduleInterleaved1F1B if order == "interleaved" else pp.ScheduleZBVZeroBubble)
     elif order == "zero_bubble_h2":
         got = build(1, [r], same_order(order, P, M))
-    elif order == "zero_bubble_v":
-        got = build(2, [r, 2 * P - 1 - r], pp.ScheduleZBVZeroBubble)
     else:
         try:
             got = build(1, [r], pp.ScheduleInterleavedZeroBubble)

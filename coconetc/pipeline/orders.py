@@ -49,13 +49,18 @@ ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2", "zero
 SPLIT = ("zero_bubble", "zero_bubble_h2", "zero_bubble_v")  # the orders that split each backward into B and W
 V_SHAPED = ("zero_bubble_v",)  # the orders whose rank r holds stages r and 2P - 1 - r (2 chunks)
 LIST_SCHEDULED = ("zero_bubble_h2", "zero_bubble_v")  # built for given action times (make's costs)
+KINDS = ("F", "B", "W")
 
 
 def default_chunks(name: str) -> int:
     """The model chunks a rank holds under order NAME when the schedule does not say:
     2 for interleaved and zero_bubble_v, else 1."""
     return 2 if name == "interleaved" or name in V_SHAPED else 1
-KINDS = ("F", "B", "W")
+
+
+def _chunks(name: str, chunks: int | None) -> int:
+    """CHUNKS as given, or NAME's own where None (1 for a name that is no order: refused after)."""
+    return (default_chunks(name) if name in ORDERS else 1) if chunks is None else chunks
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ def make(name: str, ranks: int, microbatches: int, chunks: int | None = None,
     in place of F = B = W (of the lists built for them and those built for F = B = W, the one
     that ends first under them: list scheduling is greedy); the other orders are the same for
     any."""
-    chunks = (default_chunks(name) if name in ORDERS else 1) if chunks is None else chunks
+    chunks = _chunks(name, chunks)
     _check_arguments(name, ranks, microbatches, chunks)
     P, M = ranks, microbatches
     if costs is not None and not isinstance(costs, Costs) and len(costs) != ranks * chunks:
@@ -533,7 +538,7 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int | Non
 
     `simulate` is the source of truth: it can differ from these, most for interleaved with
     few micro-batches."""
-    chunks = (default_chunks(name) if name in ORDERS else 1) if chunks is None else chunks
+    chunks = _chunks(name, chunks)
     _check_arguments(name, ranks, microbatches, chunks)
     P, M, V = ranks, microbatches, chunks
     if name == "interleaved":
@@ -542,7 +547,7 @@ def predicted_bubble(name: str, ranks: int, microbatches: int, chunks: int | Non
         f, b, w = costs.forward, costs.input_grad, costs.weight_grad
         idle = (P - 1) * max(0.0, f + b - w)
         return idle / (M * (f + b + w) + idle)
-    if name in ("zero_bubble_h2", *V_SHAPED):
+    if name in LIST_SCHEDULED:
         return simulate(make(name, P, M, V), costs).bubble()
     return (P - 1) / (M + P - 1)
 
