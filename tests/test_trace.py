@@ -75,6 +75,19 @@ def test_coconet_trace_in_the_environment_traces_the_process(tmp_path):
     assert names[0].endswith(".sgd[default]") and len(names) > 1, names
 
 
+def test_a_process_that_made_no_call_leaves_the_ranks_files(tmp_path):
+    """COCONET_TRACE's write at exit: a process that traced no call (a bench script's launcher,
+    which relaunches itself under mpiexec and exits after its ranks) writes no file, so rank 0's
+    stays as rank 0 wrote it; one that traced a call writes its own."""
+    from coconetc.runtime import trace as tr
+    kept = tmp_path / tr.FILE.format(rank=0)
+    kept.write_text("rank 0's")
+    idle = tr.Session(tmp_path, 10)
+    assert tr._write_at_exit(idle) is None and kept.read_text() == "rank 0's"
+    idle.add({"name": "a call", "ph": "X"})
+    assert tr._write_at_exit(idle) == kept and json.loads(kept.read_text())["traceEvents"][-1]["name"] == "a call"
+
+
 def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
     """`coconetc explain --measure`: the schedule run traced on the ranks; a row per unit of the
     plan with its measured, predicted and bound times, and the model's error for the call."""

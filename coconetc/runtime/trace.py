@@ -171,7 +171,14 @@ def from_environment() -> None:
     folder = os.environ.get(ENV_TRACE)
     if folder and _session is None:
         s = _session = Session(folder, _max_events())
-        atexit.register(s.write)
+        atexit.register(_write_at_exit, s)
+
+
+def _write_at_exit(s: Session) -> Path | None:
+    """COCONET_TRACE's file of this process, where it traced a call: a process that made none
+    (a script's launcher, whose ranks relaunch it under mpiexec) writes nothing, rather than
+    an empty file over its rank 0's."""
+    return s.write() if s.events or s.dropped else None
 
 
 def _rank() -> int:
