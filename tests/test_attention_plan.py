@@ -59,9 +59,10 @@ def test_the_forward_and_the_backward_are_one_call_each():
     assert b.a_whole  # the saved a is an input: its masked entries are read as the pieces read them
     assert {"a_where", "a_softmax", "g_a", "g_rows", "g_s_matmul"} <= set(_names(plans["p_bwd"], b))
     # the whole derived program (which does not compute o): the backward reads the softmax its
-    # forward values computed, as they are
+    # forward values computed, as they are, and draws A = dropout(P) again (a_in ""): a is not written
     (bg,) = plans["p_grad"].attention
-    assert (bg.kind, bg.p_in, bg.s_in, bg.a_in, bg.a_whole) == ("backward", "a_softmax", "", "a", False)
+    assert (bg.kind, bg.p_in, bg.s_in, bg.a_in, bg.a_whole) == ("backward", "a_softmax", "", "", False)
+    assert "a" in _names(plans["p_grad"], bg)
     text = show(plans["p_bwd"])
     assert "attention:\n  backward d_q, d_k, d_v = attention_grad(q, k, v, d_o; scores s, dropout result a (every entry)" in text
     assert "(cpu: one call at the last unit, the masked half of the scores skipped; cuda: the units one by one)" in text
@@ -74,8 +75,12 @@ def test_the_example_blocks_forward_and_backward():
         for sched in ("default", "fused", "overlapped"):
             (f,) = mod.plans[(prog, sched)].attention
             assert f.kind == "forward" and f.drop_p == "pdrop", (prog, sched)
-        kinds = [a.kind for a in mod.plans[(f"{prog}_bwd", "default")].attention]
-        assert kinds == ["backward"], prog
+        (b,) = mod.plans[(f"{prog}_bwd", "default")].attention
+        assert b.kind == "backward", prog
+        # a = dropout(p) of the block's own p: the forward saves p alone, the call draws a's
+        # mask again (autodiff/saved.py, _dropout_of_own)
+        saved = [q.name for q in mod.programs[f"{prog}_bwd"].params]
+        assert "p" in saved and "a" not in saved and (b.p_in, b.a_in) == ("p", ""), (prog, saved)
         kinds = [a.kind for a in mod.plans[(f"{prog}_grad", "default")].attention]
         assert kinds == ["forward", "backward"], prog
 
@@ -94,7 +99,8 @@ def test_the_transposed_keys_only_the_calls_read_are_not_computed_on_the_cpu():
     bwd = mod.plans[("gpt_block_bwd", "overlapped")]
     (b,) = bwd.attention
     assert "s_transpose" in _names(bwd, b) and b.members[-1] == max(b.members)
-    assert "replaces s_transpose, t1_g_a, g_a," in show(bwd)
+    assert "replaces s_transpose, a, t1_g_a, g_a," in show(bwd)  # (a: the call draws it again)
+    assert "softmax p (every entry), the dropout result drawn again from it;" in show(bwd)
     # a transpose another unit reads as well stays a unit of its own
     src = HEAD + CORE.replace("transpose(k, 2, 3)", "kt") + "    y = kt * c\n    return o, y\n}\n"
     src = src.replace("    s = matmul", "    kt = transpose(k, 2, 3)\n    s = matmul")
@@ -155,6 +161,15 @@ program whole(q: f64[B, H, M, D] replicated, k: f64[B, H, N, D] replicated, v: f
     o = matmul(pr, v)
     return o
 }
+
+program own(q: f32[B, H, M, D] sliced(1), k: f32[B, H, N, D] sliced(1), v: f32[B, H, N, E] sliced(1),
+            c: f32, pdrop: f32, seed: i64) {
+    s = matmul(q, transpose(k, 2, 3)) * c
+    pr = softmax(where(causal(s, diagonal=1), s, -inf))
+    a = dropout(pr, pdrop, seed)
+    o = matmul(a, v)
+    return o
+}
 """
 
 
@@ -180,7 +195,9 @@ def _variants_text() -> str:
 def test_compiled_attention_matches_the_interpreter(tmp_path):
     """Scale by a scalar, dropout, diagonal 1, M != N and D != E on heads sliced over 2 ranks
     (uneven: 3 heads); f64 divided by a number, without dropout, at diagonal -1 (a first row all
-    masked), its softmax a stage (saved by the forward in place of the scores);
+    masked), its softmax a stage (saved by the forward in place of the scores); the softmax a
+    stage under dropout (the forward saves it alone, the backward's call draws the dropout's
+    result again from the random saved softmax, its masked entries included, as the pieces do);
     each with its derived, saving-forward and backward programs (the backward on random saved
     values: the call must read them as the pieces do)."""
     from coconetc.runtime.loader import compile_cpu
@@ -193,10 +210,12 @@ def test_compiled_attention_matches_the_interpreter(tmp_path):
     # the softmax a stage: its saving forward keeps it, not s, and the backward reads it whole
     (wb,) = calls["whole_bwd"]
     assert (wb.s_in, wb.p_in, wb.a_in, wb.p_whole, wb.a_whole) == ("", "pr", "pr", True, True)
+    (ob,) = calls["own_bwd"]
+    assert (ob.s_in, ob.p_in, ob.a_in, ob.p_whole, ob.drop_p) == ("", "pr", "", True, "pdrop")
     compile_cpu(load_file(f), log=lambda msg: None)
     for ranks in (1, 2):
         cmd = mpiexec.command(ranks, [sys.executable, WORKER, "cpu", str(f), "B=2", "H=3", "M=5", "N=7", "D=3", "E=2"])
         res = subprocess.run(cmd, env=mpiexec.environment(ranks), capture_output=True, text=True, timeout=600)
         log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-        assert res.returncode == 0 and len(lines) == 8 and all(ln.startswith("MATCH ") for ln in lines), log
+        assert res.returncode == 0 and len(lines) == 12 and all(ln.startswith("MATCH ") for ln in lines), log

@@ -437,9 +437,10 @@ def test_show_grad_prints_the_derived_program():
     lines = res.stdout.splitlines()
     # hm (c_fc's product) is a stage, so the forward keeps it and the backward adds the bias again
     # (a loop) instead of computing the GEMM again for gelu's derivative
-    assert lines[0] == ("# saved by the forward (gpt_block_fwd returns them): n1, q, k, v, p, a, o, x1, n2, hm, h; "
+    # and a = dropout(p) is drawn again from p (the attention call does it as it goes)
+    assert lines[0] == ("# saved by the forward (gpt_block_fwd returns them): n1, q, k, v, p, o, x1, n2, hm, h; "
                         "recomputed by the backward (gpt_block_bwd): q_reshape, k_reshape, v_reshape, s_transpose, "
-                        "ap_reshape, h_add")
+                        "a, ap_reshape, h_add")
     # each layernorm's backward: two operations reading the forward's input (saved: x1) and the
     # cotangent, the row statistics recomputed inside them
     assert "    g_x1 = d_y + layernorm_dx(x1, ln2_w, g_n2, 1e-05)" in lines
@@ -465,9 +466,9 @@ def test_show_grad_prints_the_sequence_parallel_derived_program():
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == ("# saved by the forward (gpt_block_sp_fwd returns them): n1, q, k, v, p, a, o, x1, n2, hm, "
+    assert lines[0] == ("# saved by the forward (gpt_block_sp_fwd returns them): n1, q, k, v, p, o, x1, n2, hm, "
                         "h; recomputed by the backward (gpt_block_sp_bwd): qm_reshape, k_reshape, v_reshape, "
-                        "s_transpose, ap_reshape, h_add")
+                        "s_transpose, a, ap_reshape, h_add")
     collectives = [ln.strip() for ln in lines if re.search(r" = (allreduce|reducescatter|allgather|scatter)\(", ln)]
     assert collectives == [
         "n1 = allgather(n1s)", "at = reducescatter(sum, ap, dim=1)", "n2 = allgather(n2s)",

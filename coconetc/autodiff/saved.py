@@ -11,7 +11,8 @@ is used; FSDP's reshard after the forward: the backward gathers it again, so tha
 two a rank holds only its slices; a schedule's keep_gathered() pairs the cut that saves them,
 `<p>_fwd_kept`/`<p>_bwd_kept`); the rest (operations the derivation gave a stage of their own, such
 as the `a + b1` inside `gelu(a + b1)`, and 0-d values) are recomputed by the backward from the
-saved values and the inputs.
+saved values and the inputs; so is a dropout of one of p's stages (attention's `a = dropout(p)`:
+its mask is drawn again from the seed; _dropout_of_own).
 
 - forward `<p>_fwd`: p, returning its outputs and then the saved values (`saved_<v>`);
 - backward `<p>_bwd`: p's parameters, then the saved values (parameters named as the stages,
@@ -72,7 +73,7 @@ def split(p: Program, g: Program, keep_gathered: bool = False) -> Split:
             return
         e = g.stage_named(name).expr
         if name in own and g.stage_named(name).type.ndim > 0 and not _layer_of_param(e, p) \
-                and (keep_gathered or not _weight_gather(e, p)):
+                and (keep_gathered or not _weight_gather(e, p)) and not _dropout_of_own(e, own):
             saved.append(name)
             return
         again.add(name)
@@ -96,6 +97,16 @@ def split(p: Program, g: Program, keep_gathered: bool = False) -> Split:
 def _weight_gather(e: object, p: Program) -> bool:
     """allgather of a weight (ir/gathers.py): gathered again by the backward, not saved."""
     return isinstance(e, Op) and e.op == "allgather" and bool(e.args) and weight_of(p, e.args[0]) is not None
+
+
+def _dropout_of_own(e: object, own: set[str]) -> bool:
+    """dropout(x, rate, seed) of a stage x of p: recomputed by the backward from x (saved in its
+    place where the backward reads it), its mask drawn again at the same elements (a pure function
+    of the seed, the site and the element's index), rather than saved beside x: attention's
+    a = dropout(p) is a second [.., S, S] value per layer otherwise. At rate 0 it is a copy (none
+    inside the CPU's attention call, which computes it from p as it goes); at a rate above 0 one
+    more pass of the generator where no call takes it in."""
+    return isinstance(e, Op) and e.op == "dropout" and isinstance(e.args[0], Ref) and e.args[0].name in own
 
 
 def _layer_of_param(e: object, p: Program) -> bool:

@@ -376,11 +376,18 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, ga: str, p: str, v: str,
     if ch.written() is None:
         return None
     a = f["a"]
-    made = a == p or a in d.item and _ref((_dropped(d.value(a), d.buffers) or (Ref(a, d.buffers[a].type),))[0]) == p
+    dropped = _dropped(d.value(a), d.buffers) if a in d.item else None
+    made = a == p or dropped is not None and _ref(dropped[0]) == p
     scale, diagonal, (drop_p, seed, site) = how
     a_in = "" if a == p and not p_whole else a  # (a saved P is its own A: dv reads it whole)
+    if a != p and made and dropped is not None and dropped[1] == how[2] and ch.only_read_by_chain(a, d.item[a][0]):
+        again = _Chain(d, set(ch.results), set(ch.allowed), set(ch.members), set(ch.values))
+        again.add(a)
+        if again.written() is not None:  # A = dropout(P) with GA's mask, computed again by the call (a backward
+            a_in, ch = "", again          # program's, autodiff/saved.py): a is not written
     return Attention("backward", tuple(sorted(ch.members)), f["q"], f["k"], v, p, diagonal, scale, drop_p, seed,
-                     site, g=g, s_in=s_in, p_in=p_in, a_in=a_in, a_whole=not made or p_whole, p_whole=p_whole,
+                     site, g=g, s_in=s_in, p_in=p_in, a_in=a_in, a_whole=bool(a_in) and (not made or p_whole),
+                     p_whole=p_whole,
                      dq=f["gq"], dk=f["gk"], dv=f["gv"])
 
 

@@ -54,7 +54,8 @@ def _attention(plan: Plan, a: Attention) -> str:
         also = [n for n in (a.s, a.w, a.p, a.a) if n]
     else:
         src = f"scores {a.s_in}" if a.s_in else f"softmax {a.p_in}{' (every entry)' if a.p_whole else ''}"
-        aa = f"dropout result {a.a_in}{' (every entry)' if a.a_whole else ''}" if a.a_in else "no dropout result"
+        aa = f"dropout result {a.a_in}{' (every entry)' if a.a_whole else ''}" if a.a_in else \
+            ("the dropout result drawn again from it" if a.drop_p else "no dropout result")
         head = f"backward {a.dq}, {a.dk}, {a.dv} = attention_grad({a.q}, {a.k}, {a.v}, {a.g}; {src}, {aa}; {', '.join(h for h in how if h)})"
         also = []
     others = [t for t in BACKENDS if t not in a.fused]

@@ -304,7 +304,8 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
 
 // Backward (what the derived program computes from the pieces). g = dL/do [batch, M, E].
 //   P: p as above: p_in when given, else recomputed from s_in (the forward's s, [batch, M, N];
-//      required then).  A: a_in when given, else P with the mask.  Of s_in, p_in and a_in only
+//      required then).  A: a_in when given, else P with the mask (over whole rows where p_whole
+//      finds a masked entry of p_in other than 0, as the pieces' dropout(P) has it).  Of s_in, p_in and a_in only
 //      the kept entries are read.  The mask is always Philox's (not read from a_in), so a_in
 //      that is not the forward's a (a backward program's input) is read as the pieces read it.
 //   dA  = g v^T                 [M, N]
@@ -384,11 +385,14 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         std::fill(d + kc, d + c, T(0));
         if (a_in && a_whole)
           continue;  // dv from every entry of a_in's rows, below
-        if (a_in)
+        if (a_in) {
           std::copy(a_in + row, a_in + row + kc, p);
-        else if (drop)
-          for (int64_t j = 0; j < kc; ++j) p[j] = keep[j] ? p[j] * keep_scale : T(0);
-        std::fill(p + kc, p + c, T(0));
+          std::fill(p + kc, p + c, T(0));
+        } else {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
+          if (drop)
+            for (int64_t j = 0; j < kr; ++j) p[j] = keep[j] ? p[j] * keep_scale : T(0);
+          std::fill(p + kr, p + c, T(0));
+        }
       }
       gemm(rows, D, c, dt, c, kb, D, dqb + i0 * D, D);                            // dq = dS k
       gemm_trans_acc(true, false, c, D, rows, dt, c, qb + i0 * D, D, dkb, D);     // dk += dS^T q

@@ -42,69 +42,69 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   float* const v_k = a.tensor<float>(18);
   float* const v_v = a.tensor<float>(19);
   float* const v_p = a.tensor<float>(20);
-  float* const v_a = a.tensor<float>(21);
-  float* const v_o = a.tensor<float>(22);
-  float* const v_x1 = a.tensor<float>(23);
-  float* const v_n2 = a.tensor<float>(24);
-  float* const v_hm = a.tensor<float>(25);
-  float* const v_h = a.tensor<float>(26);
-  float* const v_d_y = a.tensor<float>(27);
+  float* const v_o = a.tensor<float>(21);
+  float* const v_x1 = a.tensor<float>(22);
+  float* const v_n2 = a.tensor<float>(23);
+  float* const v_hm = a.tensor<float>(24);
+  float* const v_h = a.tensor<float>(25);
+  float* const v_d_y = a.tensor<float>(26);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_a = coconet::scratch<float, 2>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_g_y_add = coconet::scratch<float, 2>(S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::scratch<float, 3>(S_B * S_S * S_H);
   float* const v_d_b_proj = a.output<float>(15);
-  float* const v_g_h = coconet::scratch<float, 3>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::scratch<float, 4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2 = coconet::scratch<float, 5>(S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::scratch<float, 6>(S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_t0_g_x1 = coconet::scratch<float, 6>(S_B * S_S * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 7>(S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::scratch<float, 7>(S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 8>(S_B * S_S * S_H);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
-  float* const v_g_x1_add = coconet::scratch<float, 8>(S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 9>(S_B * S_S * S_H);
   float* const v_d_bo = a.output<float>(9);
-  float* const v_g_o = coconet::scratch<float, 9>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::scratch<float, 10>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_p = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 24>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 25>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 25>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 26>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::scratch<float, 26>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::scratch<float, 27>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::scratch<float, 27>(S_B * S_S * S_H);
-  float* const v_g_n1 = coconet::scratch<float, 28>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 28>(S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::scratch<float, 29>(S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t6_d_x = coconet::scratch<float, 29>(S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 30>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -139,13 +139,16 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   // s_transpose: part of the backward attention call (plan: attention)
   trace_3.end();
   coconet::trace::Unit trace_4(4);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
-  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
+  // a: part of the backward attention call (plan: attention)
   trace_4.end();
   coconet::trace::Unit trace_5(5);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [overlapped] loop: g_y_add (gpt_block.ccn)
-  const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
-  const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+  const float k2_g_y_add = coconet::to_compute(v_pdrop[0]);
+  const int64_t k3_g_y_add = coconet::to_compute(v_seed[0]);
   {  // and the column sums d_b_proj of g_y_add
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -155,14 +158,14 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     std::vector<float> part_d_b_proj(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
       const auto l_cols = cols;
-      const auto l_k0_g_y_add = k0_g_y_add;
-      const auto l_k1_g_y_add = k1_g_y_add;
+      const auto l_k2_g_y_add = k2_g_y_add;
+      const auto l_k3_g_y_add = k3_g_y_add;
       const auto l_rb = rb;
       const auto l_rows = rows;
       const auto l_v_d_y = v_d_y;
       const auto l_v_g_y_add = v_g_y_add;
       float* const cs_d_b_proj = part_d_b_proj.data() + blk * l_cols;
-      if (double(l_k0_g_y_add) == 0.0) {  // dropout at rate 0: its input
+      if (double(l_k2_g_y_add) == 0.0) {  // dropout at rate 0: its input
       for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
         for (int64_t col = 0; col < l_cols; ++col) {
@@ -177,7 +180,7 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
         COCONET_IVDEP
         for (int64_t col = 0; col < l_cols; ++col) {
           const int64_t i = row * l_cols + col;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k0_g_y_add), int64_t(l_k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k2_g_y_add), int64_t(l_k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
           cs_d_b_proj[col] += x_g_y_add;
         }
@@ -192,20 +195,20 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_proj[col] = coconet::from_compute<float>(part_d_b_proj[col]);
   }
-  trace_5.end();
-  coconet::trace::Unit trace_6(6);
-  // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
-  // d_b_proj: summed by the loop that computes g_y_add (plan: column sums)
   trace_6.end();
   coconet::trace::Unit trace_7(7);
-  // [overlapped] matmul_nt g_h (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
+  // d_b_proj: summed by the loop that computes g_y_add (plan: column sums)
   trace_7.end();
   coconet::trace::Unit trace_8(8);
-  // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  // [overlapped] matmul_nt g_h (gpt_block.ccn)
+  coconet::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   trace_8.end();
   coconet::trace::Unit trace_9(9);
+  // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [overlapped] loop: h_add, g_h_add (gpt_block.ccn:52)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -252,12 +255,12 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
-  trace_9.end();
-  coconet::trace::Unit trace_10(10);
-  // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   trace_10.end();
   coconet::trace::Unit trace_11(11);
+  // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
@@ -271,30 +274,30 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     float* const Q = pk_g_n2_part.out(i, S_B * r.size() * S_H);
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * r.size() * S_H, comm, channel), Q, v_g_n2, S_B, S_S, S_H, r);
   });
-  trace_11.end();
-  coconet::trace::Unit trace_12(12);
-  // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   trace_12.end();
   coconet::trace::Unit trace_13(13);
-  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   trace_13.end();
   coconet::trace::Unit trace_14(14);
-  // loop g_x1: the epilogue of the layernorm_dx above
+  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_14.end();
   coconet::trace::Unit trace_15(15);
-  // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
+  // loop g_x1: the epilogue of the layernorm_dx above
   trace_15.end();
   coconet::trace::Unit trace_16(16);
-  // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
   trace_16.end();
   coconet::trace::Unit trace_17(17);
+  // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  trace_17.end();
+  coconet::trace::Unit trace_18(18);
   // [overlapped] loop: g_x1_add (gpt_block.ccn)
-  const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-  const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+  const float k4_g_x1_add = coconet::to_compute(v_pdrop[0]);
+  const int64_t k5_g_x1_add = coconet::to_compute(v_seed[0]);
   {  // and the column sums d_bo of g_x1_add
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -304,14 +307,14 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     std::vector<float> part_d_bo(size_t(std::max<int64_t>(nb, 1) * cols));
     auto block = [&](int64_t blk) {
       const auto l_cols = cols;
-      const auto l_k2_g_x1_add = k2_g_x1_add;
-      const auto l_k3_g_x1_add = k3_g_x1_add;
+      const auto l_k4_g_x1_add = k4_g_x1_add;
+      const auto l_k5_g_x1_add = k5_g_x1_add;
       const auto l_rb = rb;
       const auto l_rows = rows;
       const auto l_v_g_x1 = v_g_x1;
       const auto l_v_g_x1_add = v_g_x1_add;
       float* const cs_d_bo = part_d_bo.data() + blk * l_cols;
-      if (double(l_k2_g_x1_add) == 0.0) {  // dropout at rate 0: its input
+      if (double(l_k4_g_x1_add) == 0.0) {  // dropout at rate 0: its input
       for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         COCONET_IVDEP
         for (int64_t col = 0; col < l_cols; ++col) {
@@ -326,7 +329,7 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
         COCONET_IVDEP
         for (int64_t col = 0; col < l_cols; ++col) {
           const int64_t i = row * l_cols + col;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(l_k2_g_x1_add), int64_t(l_k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(l_k4_g_x1_add), int64_t(l_k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
           cs_d_bo[col] += x_g_x1_add;
         }
@@ -341,128 +344,128 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_bo[col] = coconet::from_compute<float>(part_d_bo[col]);
   }
-  trace_17.end();
-  coconet::trace::Unit trace_18(18);
-  // [overlapped] sum_lead d_bo (gpt_block.ccn)
-  // d_bo: summed by the loop that computes g_x1_add (plan: column sums)
   trace_18.end();
   coconet::trace::Unit trace_19(19);
-  // [overlapped] matmul_nt g_o (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [overlapped] sum_lead d_bo (gpt_block.ccn)
+  // d_bo: summed by the loop that computes g_x1_add (plan: column sums)
   trace_19.end();
   coconet::trace::Unit trace_20(20);
-  // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  // [overlapped] matmul_nt g_o (gpt_block.ccn)
+  coconet::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_20.end();
   coconet::trace::Unit trace_21(21);
-  // [overlapped] reshape d_wo (gpt_block.ccn)
-  coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
   trace_21.end();
   coconet::trace::Unit trace_22(22);
-  // [overlapped] reshape g_o_transpose (gpt_block.ccn)
-  coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] reshape d_wo (gpt_block.ccn)
+  coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_22.end();
   coconet::trace::Unit trace_23(23);
-  // [overlapped] transpose g_o_matmul (gpt_block.ccn)
-  coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  // [overlapped] reshape g_o_transpose (gpt_block.ccn)
+  coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_23.end();
   coconet::trace::Unit trace_24(24);
-  // t1_g_a: part of the backward attention call (plan: attention)
+  // [overlapped] transpose g_o_matmul (gpt_block.ccn)
+  coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   trace_24.end();
   coconet::trace::Unit trace_25(25);
-  // g_a: part of the backward attention call (plan: attention)
+  // t1_g_a: part of the backward attention call (plan: attention)
   trace_25.end();
   coconet::trace::Unit trace_26(26);
-  // t2_g_v: part of the backward attention call (plan: attention)
+  // g_a: part of the backward attention call (plan: attention)
   trace_26.end();
   coconet::trace::Unit trace_27(27);
-  // g_v: part of the backward attention call (plan: attention)
+  // t2_g_v: part of the backward attention call (plan: attention)
   trace_27.end();
   coconet::trace::Unit trace_28(28);
-  // g_p: part of the backward attention call (plan: attention)
+  // g_v: part of the backward attention call (plan: attention)
   trace_28.end();
   coconet::trace::Unit trace_29(29);
-  // t3_g_rows: part of the backward attention call (plan: attention)
+  // g_p: part of the backward attention call (plan: attention)
   trace_29.end();
   coconet::trace::Unit trace_30(30);
-  // g_rows: part of the backward attention call (plan: attention)
+  // t3_g_rows: part of the backward attention call (plan: attention)
   trace_30.end();
   coconet::trace::Unit trace_31(31);
-  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  // g_rows: part of the backward attention call (plan: attention)
   trace_31.end();
   coconet::trace::Unit trace_32(32);
-  // t4_g_q: part of the backward attention call (plan: attention)
+  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
   trace_32.end();
   coconet::trace::Unit trace_33(33);
-  // g_q: part of the backward attention call (plan: attention)
+  // t4_g_q: part of the backward attention call (plan: attention)
   trace_33.end();
   coconet::trace::Unit trace_34(34);
-  // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  // g_q: part of the backward attention call (plan: attention)
   trace_34.end();
   coconet::trace::Unit trace_35(35);
-  // g_s_transpose: part of the backward attention call (plan: attention)
+  // t5_g_s_transpose: part of the backward attention call (plan: attention)
   trace_35.end();
   coconet::trace::Unit trace_36(36);
-  // g_k: part of the backward attention call (plan: attention)
-  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true, true);
+  // g_s_transpose: part of the backward attention call (plan: attention)
   trace_36.end();
   coconet::trace::Unit trace_37(37);
-  // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
-  coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // g_k: part of the backward attention call (plan: attention)
+  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, static_cast<float*>(nullptr), v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, true);
   trace_37.end();
   coconet::trace::Unit trace_38(38);
-  // [overlapped] reshape g_v_add (gpt_block.ccn)
-  coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   trace_38.end();
   coconet::trace::Unit trace_39(39);
-  // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [overlapped] reshape g_v_add (gpt_block.ccn)
+  coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_39.end();
   coconet::trace::Unit trace_40(40);
-  // [overlapped] reshape d_bv (gpt_block.ccn)
-  coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_40.end();
   coconet::trace::Unit trace_41(41);
-  // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [overlapped] reshape d_bv (gpt_block.ccn)
+  coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_41.end();
   coconet::trace::Unit trace_42(42);
-  // [overlapped] reshape d_wv (gpt_block.ccn)
-  coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_42.end();
   coconet::trace::Unit trace_43(43);
-  // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
-  coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // [overlapped] reshape d_wv (gpt_block.ccn)
+  coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_43.end();
   coconet::trace::Unit trace_44(44);
-  // [overlapped] reshape g_k_matmul (gpt_block.ccn)
-  coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   trace_44.end();
   coconet::trace::Unit trace_45(45);
-  // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [overlapped] reshape g_k_matmul (gpt_block.ccn)
+  coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_45.end();
   coconet::trace::Unit trace_46(46);
-  // [overlapped] reshape d_wk (gpt_block.ccn)
-  coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_46.end();
   coconet::trace::Unit trace_47(47);
-  // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
-  coconet::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // [overlapped] reshape d_wk (gpt_block.ccn)
+  coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_47.end();
   coconet::trace::Unit trace_48(48);
-  // [overlapped] reshape g_q_add (gpt_block.ccn)
-  coconet::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
+  coconet::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   trace_48.end();
   coconet::trace::Unit trace_49(49);
-  // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [overlapped] reshape g_q_add (gpt_block.ccn)
+  coconet::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_49.end();
   coconet::trace::Unit trace_50(50);
-  // [overlapped] reshape d_bq (gpt_block.ccn)
-  coconet::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_50.end();
   coconet::trace::Unit trace_51(51);
+  // [overlapped] reshape d_bq (gpt_block.ccn)
+  coconet::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_51.end();
+  coconet::trace::Unit trace_52(52);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -476,30 +479,30 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allreduce(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, comm, channel);
   });
-  trace_51.end();
-  coconet::trace::Unit trace_52(52);
-  // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_52.end();
   coconet::trace::Unit trace_53(53);
-  // [overlapped] reshape d_wq (gpt_block.ccn)
-  coconet::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_53.end();
   coconet::trace::Unit trace_54(54);
-  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // [overlapped] reshape d_wq (gpt_block.ccn)
+  coconet::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_54.end();
   coconet::trace::Unit trace_55(55);
-  // loop d_x: the epilogue of the layernorm_dx above
+  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_55.end();
   coconet::trace::Unit trace_56(56);
-  // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  // loop d_x: the epilogue of the layernorm_dx above
   trace_56.end();
   coconet::trace::Unit trace_57(57);
+  // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  trace_57.end();
+  coconet::trace::Unit trace_58(58);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H);
-  trace_57.end();
+  trace_58.end();
 }
 
 }  // namespace coconet_gen

@@ -42,74 +42,74 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   float* const v_k = a.tensor<float>(18);
   float* const v_v = a.tensor<float>(19);
   float* const v_p = a.tensor<float>(20);
-  float* const v_a = a.tensor<float>(21);
-  float* const v_o = a.tensor<float>(22);
-  float* const v_x1 = a.tensor<float>(23);
-  float* const v_n2 = a.tensor<float>(24);
-  float* const v_hm = a.tensor<float>(25);
-  float* const v_h = a.tensor<float>(26);
-  float* const v_d_y = a.tensor<float>(27);
+  float* const v_o = a.tensor<float>(21);
+  float* const v_x1 = a.tensor<float>(22);
+  float* const v_n2 = a.tensor<float>(23);
+  float* const v_hm = a.tensor<float>(24);
+  float* const v_h = a.tensor<float>(25);
+  float* const v_d_y = a.tensor<float>(26);
   float* const v_qm_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_a = coconet::scratch<float, 2>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_g_y_add = coconet::scratch<float, 2>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_b_proj_part = coconet::shared_scratch<float, 3>(comm, S_H);
-  float* const v_g_allgather2 = coconet::scratch<float, 4>(S_B * S_S * S_H);
-  float* const v_g_h = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_y_add = coconet::scratch<float, 3>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_b_proj_part = coconet::shared_scratch<float, 4>(comm, S_H);
+  float* const v_g_allgather2 = coconet::scratch<float, 5>(S_B * S_S * S_H);
+  float* const v_g_h = coconet::scratch<float, 6>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 6>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 7>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2_part = coconet::scratch<float, 7>(S_B * S_S * S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 8>(S_B * S_S * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_n2s = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2_part = coconet::scratch<float, 8>(S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 9>(S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 12>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 13>(comm, S_H);
-  float* const v_g_bo_part = coconet::shared_scratch<float, 14>(comm, S_H);
-  float* const v_g_o = coconet::scratch<float, 15>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 13>(comm, S_H);
+  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 14>(comm, S_H);
+  float* const v_g_bo_part = coconet::shared_scratch<float, 15>(comm, S_H);
+  float* const v_g_o = coconet::scratch<float, 16>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t0_g_a = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t1_g_v = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_p = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_rows = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_q = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t4_g_s_transpose = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 30>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t0_g_a = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_v = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_rows = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_q = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_s_transpose = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 31>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 31>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 32>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::scratch<float, 32>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 33>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::scratch<float, 33>(S_B * S_S * S_H);
-  float* const v_g_n1s = coconet::scratch<float, 34>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 34>(S_B * S_S * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 35>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t5_d_x = coconet::scratch<float, 35>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::scratch<float, 36>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 36>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 37>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 37>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 38>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
@@ -147,13 +147,16 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   // s_transpose: part of the backward attention call (plan: attention)
   trace_3.end();
   coconet::trace::Unit trace_4(4);
-  // [backward] reshape ap_reshape (gpt_block.ccn:133)
-  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  // a: part of the backward attention call (plan: attention)
   trace_4.end();
   coconet::trace::Unit trace_5(5);
+  // [backward] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)");
+  trace_5.end();
+  coconet::trace::Unit trace_6(6);
   // [backward] loop: g_y_add (gpt_block.ccn)
-  const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
-  const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+  const float k2_g_y_add = coconet::to_compute(v_pdrop[0]);
+  const int64_t k3_g_y_add = coconet::to_compute(v_seed[0]);
   {  // and the column sums g_b_proj_part of g_y_add
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -169,14 +172,14 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
       const auto l_S_H = S_H;
       const auto l_S_S = S_S;
       const auto l_cols = cols;
-      const auto l_k0_g_y_add = k0_g_y_add;
-      const auto l_k1_g_y_add = k1_g_y_add;
+      const auto l_k2_g_y_add = k2_g_y_add;
+      const auto l_k3_g_y_add = k3_g_y_add;
       const auto l_rb = rb;
       const auto l_rows = rows;
       const auto l_v_d_y = v_d_y;
       const auto l_v_g_y_add = v_g_y_add;
       float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * l_cols;
-      if (double(l_k0_g_y_add) == 0.0) {  // dropout at rate 0: its input
+      if (double(l_k2_g_y_add) == 0.0) {  // dropout at rate 0: its input
       for (int64_t row = blk * l_rb, end = std::min<int64_t>(l_rows, (blk + 1) * l_rb); row < end; ++row) {
         int64_t rest = row;
         const int64_t c1 = rest % l_L1; rest /= l_L1;
@@ -201,7 +204,7 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
         for (int64_t col = 0; col < l_cols; ++col) {
           const int64_t i = row * l_cols + col;
           const int64_t c2 = col;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k0_g_y_add), int64_t(l_k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_d_y[i]), double(l_k2_g_y_add), int64_t(l_k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
           l_v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
           cs_g_b_proj_part[col] += x_g_y_add;
         }
@@ -216,12 +219,12 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
-  trace_5.end();
-  coconet::trace::Unit trace_6(6);
-  // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   trace_6.end();
   coconet::trace::Unit trace_7(7);
+  // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_7.end();
+  coconet::trace::Unit trace_8(8);
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -231,12 +234,12 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     coconet::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
     ov.progress();
   });
-  trace_7.end();
-  coconet::trace::Unit trace_8(8);
-  // [backward] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   trace_8.end();
   coconet::trace::Unit trace_9(9);
+  // [backward] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
+  trace_9.end();
+  coconet::trace::Unit trace_10(10);
   // [backward] loop: h_add, g_h_add (gpt_block.ccn:139)
   {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -283,12 +286,12 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     }
     for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
-  trace_9.end();
-  coconet::trace::Unit trace_10(10);
-  // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   trace_10.end();
   coconet::trace::Unit trace_11(11);
+  // [backward] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::trace::Unit trace_12(12);
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   const int64_t off_f3 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
@@ -312,13 +315,13 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     const auto l_v_pdrop = v_pdrop;
     const auto l_v_seed = v_seed;
     const auto l_v_x1 = v_x1;
-  const float k2_g_x1_add = coconet::to_compute(l_v_pdrop[0]);
-  const int64_t k3_g_x1_add = coconet::to_compute(l_v_seed[0]);
+  const float k4_g_x1_add = coconet::to_compute(l_v_pdrop[0]);
+  const int64_t k5_g_x1_add = coconet::to_compute(l_v_seed[0]);
     const int64_t row_ = gb / (l_S_S * l_S_H);
     const int64_t lo = row_ * coconet::slice_range(l_S_S, comm.size, comm.rank).size() * l_S_H + (gb - row_ * (l_S_S * l_S_H)) - off_f3, hi = lo + (ge - gb);
     const int64_t off = coconet::slice_range(l_S_S, comm.size, comm.rank).begin;
     (void)off; (void)hi;
-    if (double(k2_g_x1_add) == 0.0) {  // dropout at rate 0: its input
+    if (double(k4_g_x1_add) == 0.0) {  // dropout at rate 0: its input
     coconet::keep_chunk(l_v_g_n2s + lo, red, hi - lo);
     COCONET_IVDEP
       for (int64_t i = lo; i < hi; ++i) {
@@ -377,7 +380,7 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(l_v_g_x1[i]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * l_S_S * l_S_H + (c1 + off) * l_S_H + c2 * int64_t(1))));
         l_v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
         l_v_g_allgather4[gb + (i - lo)] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -386,140 +389,140 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)}, coconet::round_up(coconet::kProgressElems, S_H));
   });
-  trace_11.end();
-  coconet::trace::Unit trace_12(12);
-  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   trace_12.end();
   coconet::trace::Unit trace_13(13);
-  // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   trace_13.end();
   coconet::trace::Unit trace_14(14);
-  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   trace_14.end();
   coconet::trace::Unit trace_15(15);
-  // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   trace_15.end();
   coconet::trace::Unit trace_16(16);
-  // [backward] matmul_nt g_o (gpt_block.ccn)
-  coconet::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [backward] sum_lead g_bo_part (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   trace_16.end();
   coconet::trace::Unit trace_17(17);
-  // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  // [backward] matmul_nt g_o (gpt_block.ccn)
+  coconet::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_17.end();
   coconet::trace::Unit trace_18(18);
-  // [backward] reshape d_wo (gpt_block.ccn)
-  coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
   trace_18.end();
   coconet::trace::Unit trace_19(19);
-  // [backward] reshape g_o_transpose (gpt_block.ccn)
-  coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] reshape d_wo (gpt_block.ccn)
+  coconet::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_19.end();
   coconet::trace::Unit trace_20(20);
-  // [backward] transpose g_o_matmul (gpt_block.ccn)
-  coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
+  // [backward] reshape g_o_transpose (gpt_block.ccn)
+  coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_20.end();
   coconet::trace::Unit trace_21(21);
-  // t0_g_a: part of the backward attention call (plan: attention)
+  // [backward] transpose g_o_matmul (gpt_block.ccn)
+  coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   trace_21.end();
   coconet::trace::Unit trace_22(22);
-  // g_a: part of the backward attention call (plan: attention)
+  // t0_g_a: part of the backward attention call (plan: attention)
   trace_22.end();
   coconet::trace::Unit trace_23(23);
-  // t1_g_v: part of the backward attention call (plan: attention)
+  // g_a: part of the backward attention call (plan: attention)
   trace_23.end();
   coconet::trace::Unit trace_24(24);
-  // g_v: part of the backward attention call (plan: attention)
+  // t1_g_v: part of the backward attention call (plan: attention)
   trace_24.end();
   coconet::trace::Unit trace_25(25);
-  // g_p: part of the backward attention call (plan: attention)
+  // g_v: part of the backward attention call (plan: attention)
   trace_25.end();
   coconet::trace::Unit trace_26(26);
-  // t2_g_rows: part of the backward attention call (plan: attention)
+  // g_p: part of the backward attention call (plan: attention)
   trace_26.end();
   coconet::trace::Unit trace_27(27);
-  // g_rows: part of the backward attention call (plan: attention)
+  // t2_g_rows: part of the backward attention call (plan: attention)
   trace_27.end();
   coconet::trace::Unit trace_28(28);
-  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  // g_rows: part of the backward attention call (plan: attention)
   trace_28.end();
   coconet::trace::Unit trace_29(29);
-  // t3_g_q: part of the backward attention call (plan: attention)
+  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
   trace_29.end();
   coconet::trace::Unit trace_30(30);
-  // g_q: part of the backward attention call (plan: attention)
+  // t3_g_q: part of the backward attention call (plan: attention)
   trace_30.end();
   coconet::trace::Unit trace_31(31);
-  // t4_g_s_transpose: part of the backward attention call (plan: attention)
+  // g_q: part of the backward attention call (plan: attention)
   trace_31.end();
   coconet::trace::Unit trace_32(32);
-  // g_s_transpose: part of the backward attention call (plan: attention)
+  // t4_g_s_transpose: part of the backward attention call (plan: attention)
   trace_32.end();
   coconet::trace::Unit trace_33(33);
-  // g_k: part of the backward attention call (plan: attention)
-  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true, true);
+  // g_s_transpose: part of the backward attention call (plan: attention)
   trace_33.end();
   coconet::trace::Unit trace_34(34);
-  // [backward] transpose g_v_reshape3 (gpt_block.ccn)
-  coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // g_k: part of the backward attention call (plan: attention)
+  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, static_cast<float*>(nullptr), v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, true);
   trace_34.end();
   coconet::trace::Unit trace_35(35);
-  // [backward] reshape g_v_add (gpt_block.ccn)
-  coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   trace_35.end();
   coconet::trace::Unit trace_36(36);
-  // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [backward] reshape g_v_add (gpt_block.ccn)
+  coconet::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_36.end();
   coconet::trace::Unit trace_37(37);
-  // [backward] reshape d_bv (gpt_block.ccn)
-  coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_37.end();
   coconet::trace::Unit trace_38(38);
-  // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [backward] reshape d_bv (gpt_block.ccn)
+  coconet::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_38.end();
   coconet::trace::Unit trace_39(39);
-  // [backward] reshape d_wv (gpt_block.ccn)
-  coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_39.end();
   coconet::trace::Unit trace_40(40);
-  // [backward] transpose g_k_reshape2 (gpt_block.ccn)
-  coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // [backward] reshape d_wv (gpt_block.ccn)
+  coconet::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_40.end();
   coconet::trace::Unit trace_41(41);
-  // [backward] reshape g_k_matmul (gpt_block.ccn)
-  coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   trace_41.end();
   coconet::trace::Unit trace_42(42);
-  // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [backward] reshape g_k_matmul (gpt_block.ccn)
+  coconet::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_42.end();
   coconet::trace::Unit trace_43(43);
-  // [backward] reshape d_wk (gpt_block.ccn)
-  coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_43.end();
   coconet::trace::Unit trace_44(44);
-  // [backward] transpose g_q_reshape2 (gpt_block.ccn)
-  coconet::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // [backward] reshape d_wk (gpt_block.ccn)
+  coconet::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_44.end();
   coconet::trace::Unit trace_45(45);
-  // [backward] reshape g_q_add (gpt_block.ccn)
-  coconet::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] transpose g_q_reshape2 (gpt_block.ccn)
+  coconet::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   trace_45.end();
   coconet::trace::Unit trace_46(46);
-  // [backward] sum_lead g_q_reshape (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  // [backward] reshape g_q_add (gpt_block.ccn)
+  coconet::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_46.end();
   coconet::trace::Unit trace_47(47);
-  // [backward] reshape d_bq (gpt_block.ccn)
-  coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] sum_lead g_q_reshape (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_47.end();
   coconet::trace::Unit trace_48(48);
+  // [backward] reshape d_bq (gpt_block.ccn)
+  coconet::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  trace_48.end();
+  coconet::trace::Unit trace_49(49);
   // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -533,54 +536,54 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_reduce_scatter(coconet::Op::sum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
   });
-  trace_48.end();
-  coconet::trace::Unit trace_49(49);
-  // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
-  coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_49.end();
   coconet::trace::Unit trace_50(50);
-  // [backward] reshape d_wq (gpt_block.ccn)
-  coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
+  // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
+  coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   trace_50.end();
   coconet::trace::Unit trace_51(51);
-  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // [backward] reshape d_wq (gpt_block.ccn)
+  coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   trace_51.end();
   coconet::trace::Unit trace_52(52);
-  // loop d_x: the epilogue of the layernorm_dx above
+  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   trace_52.end();
   coconet::trace::Unit trace_53(53);
-  // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // loop d_x: the epilogue of the layernorm_dx above
   trace_53.end();
   coconet::trace::Unit trace_54(54);
-  // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   trace_54.end();
   coconet::trace::Unit trace_55(55);
-  // [backward] allreduce d_b_proj (gpt_block.ccn)
-  coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
+  // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
+  coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   trace_55.end();
   coconet::trace::Unit trace_56(56);
-  // [backward] allreduce d_ln2_w (gpt_block.ccn)
-  coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
+  // [backward] allreduce d_b_proj (gpt_block.ccn)
+  coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
   trace_56.end();
   coconet::trace::Unit trace_57(57);
-  // [backward] allreduce d_ln2_b (gpt_block.ccn)
-  coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
+  // [backward] allreduce d_ln2_w (gpt_block.ccn)
+  coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
   trace_57.end();
   coconet::trace::Unit trace_58(58);
-  // [backward] allreduce d_bo (gpt_block.ccn)
-  coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
+  // [backward] allreduce d_ln2_b (gpt_block.ccn)
+  coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
   trace_58.end();
   coconet::trace::Unit trace_59(59);
-  // [backward] allreduce d_ln1_w (gpt_block.ccn)
-  coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
+  // [backward] allreduce d_bo (gpt_block.ccn)
+  coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
   trace_59.end();
   coconet::trace::Unit trace_60(60);
+  // [backward] allreduce d_ln1_w (gpt_block.ccn)
+  coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
+  trace_60.end();
+  coconet::trace::Unit trace_61(61);
   // [backward] allreduce d_ln1_b (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_ln1_b_part, v_d_ln1_b, S_H, comm);
-  trace_60.end();
+  trace_61.end();
 }
 
 }  // namespace coconet_gen

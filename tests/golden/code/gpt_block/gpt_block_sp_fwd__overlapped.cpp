@@ -60,17 +60,17 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_s = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   float* const v_t14_p = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   float* const v_p = a.output<float>(5);
-  float* const v_a = a.output<float>(6);
-  float* const v_t15_o = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_o = a.output<float>(7);
+  float* const v_a = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t15_o = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o = a.output<float>(6);
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::scratch<float, 12>(S_B * S_S * S_H);
-  float* const v_n2 = a.output<float>(9);
-  float* const v_x1 = a.output<float>(8);
-  float* const v_hm = a.output<float>(10);
-  float* const v_h = a.output<float>(11);
-  float* const v_mp = coconet::scratch<float, 13>(S_B * S_S * S_H);
+  float* const v_ap = coconet::scratch<float, 13>(S_B * S_S * S_H);
+  float* const v_n2 = a.output<float>(8);
+  float* const v_x1 = a.output<float>(7);
+  float* const v_hm = a.output<float>(9);
+  float* const v_h = a.output<float>(10);
+  float* const v_mp = coconet::scratch<float, 14>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // t0_qm's check
@@ -243,7 +243,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
   trace_23.end();
   coconet::trace::Unit trace_24(24);
   // t15_o: part of the forward attention call (plan: attention)
-  coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  coconet::attention_fwd<float>(v_q, v_k, v_v, v_t15_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, static_cast<float*>(nullptr), S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   trace_24.end();
   coconet::trace::Unit trace_25(25);
   // [overlapped] transpose t16_o (gpt_block.ccn)

@@ -11209,29 +11209,29 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
-  float* const v_x1 = a.output<float>(8);
+  float* const v_x1 = a.output<float>(7);
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -11794,25 +11794,25 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_ag_x1 = a.output<float>(8);
+  float* const v_ag_x1 = a.output<float>(7);
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
@@ -12144,8 +12144,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(13, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(14, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(14, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(15, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
@@ -12175,7 +12175,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 120, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
@@ -12244,8 +12244,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(16, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(17, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(17, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(18, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
@@ -12275,7 +12275,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 144, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
   }
   trace_33.end();
 }
@@ -12363,25 +12363,25 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_ag_x1 = a.output<float>(8);
+  float* const v_ag_x1 = a.output<float>(7);
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
@@ -12711,7 +12711,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 13);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -12724,8 +12724,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(15, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(16, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(16, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(17, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -12755,11 +12755,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 144, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 14);
+    coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
@@ -12826,7 +12826,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 18);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -12839,8 +12839,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(20, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(21, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(21, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(22, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -12870,11 +12870,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 176, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 184, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 19);
+    coconet::cuda::join(sctx.stream, ctx.stream, 20);
   }
   trace_31.end();
 }
@@ -12936,125 +12936,125 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
   float* const v_p = a.tensor<float>(20);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.tensor<float>(21);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_o = a.tensor<float>(22);
+  float* const v_o = a.tensor<float>(21);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_x1 = a.tensor<float>(23);
+  float* const v_x1 = a.tensor<float>(22);
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2 = a.tensor<float>(24);
+  float* const v_n2 = a.tensor<float>(23);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(24);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.tensor<float>(26);
+  float* const v_h = a.tensor<float>(25);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(27);
+  float* const v_d_y = a.tensor<float>(26);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_a = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -13094,49 +13094,101 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] reshape ap_reshape (gpt_block.ccn:47)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [default] kernel: a (gpt_block.ccn:45)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
+      const float k0_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k1_a = coconet::to_compute(v_seed[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
     coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
-      const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+      const float k2_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k3_g_y_add = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k2_g_y_add), int64_t(k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k2_g_y_add), int64_t(k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
     });
   }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
-  // [default] sum_lead d_b_proj (gpt_block.ccn)
-  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
-  // [default] matmul_nt g_h (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] sum_lead d_b_proj (gpt_block.ccn)
+  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_7.end();
   coconet::cuda::trace::Unit trace_8(8, stream);
-  // [default] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  // [default] matmul_nt g_h (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
+  // [default] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [default] kernel: h_add, g_h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13183,106 +13235,106 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
-  // [default] sum_lead d_b_fc (gpt_block.ccn)
-  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
-  // [default] matmul_nt g_n2_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [default] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [default] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
+  // [default] matmul_nt g_n2_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
+  // [default] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // kernel g_x1: the epilogue of the layernorm_dx above
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
-  // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
+  // kernel g_x1: the epilogue of the layernorm_dx above
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
-  // [default] sum_lead d_ln2_b (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
+  // [default] sum_lead d_ln2_b (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  trace_18.end();
+  coconet::cuda::trace::Unit trace_19(19, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
     coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
-      const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+      const float k4_g_x1_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_x1_add = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
     });
   }
-  trace_18.end();
-  coconet::cuda::trace::Unit trace_19(19, stream);
-  // [default] sum_lead d_bo (gpt_block.ccn)
-  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
-  // [default] matmul_nt g_o (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] sum_lead d_bo (gpt_block.ccn)
+  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
-  // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
+  // [default] matmul_nt g_o (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
-  // [default] reshape d_wo (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
-  // [default] reshape g_o_transpose (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_23.end();
   coconet::cuda::trace::Unit trace_24(24, stream);
-  // [default] transpose g_o_matmul (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [default] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
-  // [default] transpose t1_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
-  // [default] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_26.end();
   coconet::cuda::trace::Unit trace_27(27, stream);
-  // [default] transpose t2_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
-  // [default] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
+  // [default] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13293,8 +13345,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
-      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
+      const float k6_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k7_g_p = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
@@ -13316,7 +13368,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -13328,13 +13380,13 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
         const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
-        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
+  trace_30.end();
+  coconet::cuda::trace::Unit trace_31(31, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13360,12 +13412,12 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_30.end();
-  coconet::cuda::trace::Unit trace_31(31, stream);
-  // [default] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   trace_31.end();
   coconet::cuda::trace::Unit trace_32(32, stream);
+  // [default] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13376,7 +13428,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
-      const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
+      const float k8_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
@@ -13401,7 +13453,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c3 = cv3;
           const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
           const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -13415,101 +13467,101 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
     });
   }
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
-  // [default] transpose t4_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
-  // [default] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_34.end();
   coconet::cuda::trace::Unit trace_35(35, stream);
-  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   trace_35.end();
   coconet::cuda::trace::Unit trace_36(36, stream);
-  // [default] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_36.end();
   coconet::cuda::trace::Unit trace_37(37, stream);
-  // [default] transpose g_k (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   trace_37.end();
   coconet::cuda::trace::Unit trace_38(38, stream);
-  // [default] transpose g_v_reshape3 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_38.end();
   coconet::cuda::trace::Unit trace_39(39, stream);
-  // [default] reshape g_v_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_39.end();
   coconet::cuda::trace::Unit trace_40(40, stream);
-  // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [default] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_40.end();
   coconet::cuda::trace::Unit trace_41(41, stream);
-  // [default] reshape d_bv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_41.end();
   coconet::cuda::trace::Unit trace_42(42, stream);
-  // [default] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_42.end();
   coconet::cuda::trace::Unit trace_43(43, stream);
-  // [default] matmul_tn g_v_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] matmul_nt g_n1_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   trace_43.end();
   coconet::cuda::trace::Unit trace_44(44, stream);
-  // [default] reshape d_wv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_44.end();
   coconet::cuda::trace::Unit trace_45(45, stream);
-  // [default] transpose g_k_reshape2 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_45.end();
   coconet::cuda::trace::Unit trace_46(46, stream);
-  // [default] reshape g_k_matmul (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_46.end();
   coconet::cuda::trace::Unit trace_47(47, stream);
-  // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_47.end();
   coconet::cuda::trace::Unit trace_48(48, stream);
-  // [default] matmul_tn g_k_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   trace_48.end();
   coconet::cuda::trace::Unit trace_49(49, stream);
-  // [default] reshape d_wk (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_49.end();
   coconet::cuda::trace::Unit trace_50(50, stream);
-  // [default] transpose g_q_reshape3 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_50.end();
   coconet::cuda::trace::Unit trace_51(51, stream);
-  // [default] reshape g_q_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] transpose g_q_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_51.end();
   coconet::cuda::trace::Unit trace_52(52, stream);
-  // [default] sum_lead g_q_reshape2 (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [default] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_52.end();
   coconet::cuda::trace::Unit trace_53(53, stream);
-  // [default] reshape d_bq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] sum_lead g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_53.end();
   coconet::cuda::trace::Unit trace_54(54, stream);
-  // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_54.end();
   coconet::cuda::trace::Unit trace_55(55, stream);
+  // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_q_add, v_q_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_55.end();
+  coconet::cuda::trace::Unit trace_56(56, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -13536,34 +13588,34 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_55.end();
-  coconet::cuda::trace::Unit trace_56(56, stream);
-  // [default] matmul_tn g_q_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_56.end();
   coconet::cuda::trace::Unit trace_57(57, stream);
-  // [default] reshape d_wq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_q_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_57.end();
   coconet::cuda::trace::Unit trace_58(58, stream);
-  // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
+  // [default] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_58.end();
   coconet::cuda::trace::Unit trace_59(59, stream);
-  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   trace_59.end();
   coconet::cuda::trace::Unit trace_60(60, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_60.end();
   coconet::cuda::trace::Unit trace_61(61, stream);
-  // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_61.end();
   coconet::cuda::trace::Unit trace_62(62, stream);
+  // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_62.end();
+  coconet::cuda::trace::Unit trace_63(63, stream);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
-  trace_62.end();
+  trace_63.end();
 }
 
 // program gpt_block_bwd, schedule overlapped (gpt_block.ccn)
@@ -13623,90 +13675,90 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
   float* const v_p = a.tensor<float>(20);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.tensor<float>(21);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_o = a.tensor<float>(22);
+  float* const v_o = a.tensor<float>(21);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_x1 = a.tensor<float>(23);
+  float* const v_x1 = a.tensor<float>(22);
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2 = a.tensor<float>(24);
+  float* const v_n2 = a.tensor<float>(23);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(24);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.tensor<float>(26);
+  float* const v_h = a.tensor<float>(25);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(27);
+  float* const v_d_y = a.tensor<float>(26);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_a = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   // g_n2_part: only as packed chunks of its overlap
-  float* const v_g_n2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(9, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
@@ -13715,26 +13767,26 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_n1 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -13774,49 +13826,101 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:45)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
+      const float k0_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k1_a = coconet::to_compute(v_seed[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
     coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
-      const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+      const float k2_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k3_g_y_add = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k2_g_y_add), int64_t(k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k2_g_y_add), int64_t(k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
     });
   }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
-  // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
-  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
-  // [overlapped] matmul_nt g_h (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
+  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_7.end();
   coconet::cuda::trace::Unit trace_8(8, stream);
-  // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  // [overlapped] matmul_nt g_h (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
+  // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [overlapped] kernel: h_add, g_h_add (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13839,18 +13943,18 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
-  // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
+  // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:92)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -13863,103 +13967,103 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         for (int64_t o = 0; o < S_B; ++o)
           coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 30);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 31);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
         coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 31);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 32);
   }
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // kernel g_x1: the epilogue of the layernorm_dx above
+  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
+  // kernel g_x1: the epilogue of the layernorm_dx above
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
-  // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
+  // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
+  trace_17.end();
+  coconet::cuda::trace::Unit trace_18(18, stream);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
     coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
-      const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+      const float k4_g_x1_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_x1_add = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
     });
   }
-  trace_17.end();
-  coconet::cuda::trace::Unit trace_18(18, stream);
-  // [overlapped] sum_lead d_bo (gpt_block.ccn)
-  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
-  // [overlapped] matmul_nt g_o (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped] sum_lead d_bo (gpt_block.ccn)
+  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
-  // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
+  // [overlapped] matmul_nt g_o (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
-  // [overlapped] reshape d_wo (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
-  // [overlapped] reshape g_o_transpose (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
-  // [overlapped] transpose g_o_matmul (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_23.end();
   coconet::cuda::trace::Unit trace_24(24, stream);
-  // [overlapped] transpose t1_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
-  // [overlapped] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
-  // [overlapped] transpose t2_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
   trace_26.end();
   coconet::cuda::trace::Unit trace_27(27, stream);
-  // [overlapped] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
+  // [overlapped] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13970,8 +14074,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
-      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
+      const float k6_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k7_g_p = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
@@ -13993,7 +14097,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -14005,13 +14109,13 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
         const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
-        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
+  trace_29.end();
+  coconet::cuda::trace::Unit trace_30(30, stream);
   // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14037,12 +14141,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_29.end();
-  coconet::cuda::trace::Unit trace_30(30, stream);
-  // [overlapped] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   trace_30.end();
   coconet::cuda::trace::Unit trace_31(31, stream);
+  // [overlapped] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14053,7 +14157,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
-      const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
+      const float k8_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
@@ -14078,7 +14182,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c3 = cv3;
           const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
           const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -14092,89 +14196,89 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
     });
   }
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
-  // [overlapped] transpose t4_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_32.end();
   coconet::cuda::trace::Unit trace_33(33, stream);
-  // [overlapped] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
-  // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   trace_34.end();
   coconet::cuda::trace::Unit trace_35(35, stream);
-  // [overlapped] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_35.end();
   coconet::cuda::trace::Unit trace_36(36, stream);
-  // [overlapped] transpose g_k (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   trace_36.end();
   coconet::cuda::trace::Unit trace_37(37, stream);
-  // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_37.end();
   coconet::cuda::trace::Unit trace_38(38, stream);
-  // [overlapped] reshape g_v_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_38.end();
   coconet::cuda::trace::Unit trace_39(39, stream);
-  // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [overlapped] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_39.end();
   coconet::cuda::trace::Unit trace_40(40, stream);
-  // [overlapped] reshape d_bv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_40.end();
   coconet::cuda::trace::Unit trace_41(41, stream);
-  // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_41.end();
   coconet::cuda::trace::Unit trace_42(42, stream);
-  // [overlapped] reshape d_wv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_42.end();
   coconet::cuda::trace::Unit trace_43(43, stream);
-  // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_43.end();
   coconet::cuda::trace::Unit trace_44(44, stream);
-  // [overlapped] reshape g_k_matmul (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_44.end();
   coconet::cuda::trace::Unit trace_45(45, stream);
-  // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_45.end();
   coconet::cuda::trace::Unit trace_46(46, stream);
-  // [overlapped] reshape d_wk (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_46.end();
   coconet::cuda::trace::Unit trace_47(47, stream);
-  // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_47.end();
   coconet::cuda::trace::Unit trace_48(48, stream);
-  // [overlapped] reshape g_q_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] transpose g_q_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_48.end();
   coconet::cuda::trace::Unit trace_49(49, stream);
-  // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [overlapped] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape3, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_49.end();
   coconet::cuda::trace::Unit trace_50(50, stream);
-  // [overlapped] reshape d_bq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] sum_lead g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_50.end();
   coconet::cuda::trace::Unit trace_51(51, stream);
+  // [overlapped] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_51.end();
+  coconet::cuda::trace::Unit trace_52(52, stream);
   // [overlapped] overlap g_n1_part4 -> g_n1: 2 chunks along dim 0 (gpt_block.ccn:93)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -14188,38 +14292,38 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
         coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 34);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1 + r.begin * S_S * S_H, r.size() * S_S * S_H, cctx);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 35);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
   }
-  trace_51.end();
-  coconet::cuda::trace::Unit trace_52(52, stream);
-  // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_52.end();
   coconet::cuda::trace::Unit trace_53(53, stream);
-  // [overlapped] reshape d_wq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped] matmul_tn g_q_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_53.end();
   coconet::cuda::trace::Unit trace_54(54, stream);
-  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // [overlapped] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_54.end();
   coconet::cuda::trace::Unit trace_55(55, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
+  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_55.end();
   coconet::cuda::trace::Unit trace_56(56, stream);
-  // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_56.end();
   coconet::cuda::trace::Unit trace_57(57, stream);
+  // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
-  trace_57.end();
+  trace_58.end();
 }
 
 // program gpt_block_sp_fwd, schedule default (gpt_block.ccn)
@@ -14307,31 +14411,31 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t15_o = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_at), "at");
-  float* const v_x1 = a.output<float>(8);
+  float* const v_x1 = a.output<float>(7);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2s = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -14910,25 +15014,25 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t15_o = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_x1 = a.output<float>(8);
+  float* const v_x1 = a.output<float>(7);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -15264,8 +15368,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(14, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(15, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(15, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(16, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
@@ -15332,7 +15436,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
   }
   trace_29.end();
   coconet::cuda::trace::Unit trace_30(30, stream);
@@ -15397,8 +15501,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(17, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(18, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(18, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(19, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
@@ -15455,7 +15559,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 160, reduce_to, compute, gather, source);
   }
   trace_33.end();
 }
@@ -15545,25 +15649,25 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t15_o = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_x1 = a.output<float>(8);
+  float* const v_x1 = a.output<float>(7);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -15897,7 +16001,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 15);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -15910,8 +16014,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(16, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(17, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(17, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(18, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -15978,11 +16082,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 144, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 152, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 15);
+    coconet::cuda::join(sctx.stream, ctx.stream, 16);
   }
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
@@ -16045,7 +16149,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 20);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -16058,8 +16162,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(21, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(22, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(22, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(23, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -16116,11 +16220,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 184, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 192, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 20);
+    coconet::cuda::join(sctx.stream, ctx.stream, 21);
   }
   trace_31.end();
 }
@@ -16210,25 +16314,25 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
   float* const v_p = a.output<float>(5);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.output<float>(6);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t15_o = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_o = a.output<float>(7);
+  float* const v_o = a.output<float>(6);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_n2 = a.output<float>(9);
+  float* const v_n2 = a.output<float>(8);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_x1 = a.output<float>(8);
+  float* const v_x1 = a.output<float>(7);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_hm = a.output<float>(10);
+  float* const v_hm = a.output<float>(9);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.output<float>(11);
+  float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -16256,7 +16360,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 15);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 16);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
@@ -16264,7 +16368,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
         coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
       }
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 14);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 15);  // chunk i has arrived
       {
         const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
         coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
@@ -16576,11 +16680,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 16);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 17);  // this block's rows are computed
       }
       const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
       if (ob > 0 && !rp.empty()) {
-        coconet::cuda::wait_mark(18, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::wait_mark(19, ctx.stream);  // block ob-1's fused collective is done
         {
           const coconet::cuda::trace::Piece tp("overlap: consume the chunk", ob - 1, ctx.stream);
           coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -16599,8 +16703,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(19, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(20, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(20, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(21, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -16667,12 +16771,12 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 168, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 176, reduce_to, compute, gather, source);
   }
       }
-      coconet::cuda::mark(sctx.stream, 18);  // block ob's rows of n2 are gathered
+      coconet::cuda::mark(sctx.stream, 19);  // block ob's rows of n2 are gathered
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 17);
+    coconet::cuda::join(sctx.stream, ctx.stream, 18);
   }
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
@@ -16731,7 +16835,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 22);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 23);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -16744,8 +16848,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(24, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(25, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(25, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(26, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -16802,11 +16906,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 208, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 216, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 23);
+    coconet::cuda::join(sctx.stream, ctx.stream, 24);
   }
   trace_29.end();
 }
@@ -16868,134 +16972,134 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
   float* const v_p = a.tensor<float>(20);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.tensor<float>(21);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_o = a.tensor<float>(22);
+  float* const v_o = a.tensor<float>(21);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_x1 = a.tensor<float>(23);
+  float* const v_x1 = a.tensor<float>(22);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2 = a.tensor<float>(24);
+  float* const v_n2 = a.tensor<float>(23);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(24);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.tensor<float>(26);
+  float* const v_h = a.tensor<float>(25);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(27);
+  float* const v_d_y = a.tensor<float>(26);
   COCONET_PARAM(v_d_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_qm_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_a = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(3, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(4, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(11, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(12, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(14, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_g_allgather4 = v_g_allgather2;  // in g_allgather2's memory: gathered after its last reader
-  float* const v_g_o = coconet::cuda::scratch<float>(15, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(39, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(40, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(40, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(41, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -17041,10 +17145,62 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] reshape ap_reshape (gpt_block.ccn:133)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [default] kernel: a (gpt_block.ccn:131)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
+      const float k0_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k1_a = coconet::to_compute(v_seed[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
+  // [default] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17054,36 +17210,36 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
     coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
-      const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+      const float k2_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k3_g_y_add = coconet::to_compute(v_seed[0]);
       auto rest = i;
       const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
       const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
       const int64_t c0 = rest;
-      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k2_g_y_add), int64_t(k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
       v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       (void)col;
       return x_g_y_add;
     });
   }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
-  // [default] sum_lead g_b_proj_part (gpt_block.ccn)
-  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
-  // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
+  // [default] sum_lead g_b_proj_part (gpt_block.ccn)
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   trace_7.end();
   coconet::cuda::trace::Unit trace_8(8, stream);
-  // [default] matmul_nt g_h (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
-  // [default] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [default] matmul_nt g_h (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_allgather2, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_9.end();
   coconet::cuda::trace::Unit trace_10(10, stream);
+  // [default] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_10.end();
+  coconet::cuda::trace::Unit trace_11(11, stream);
   // [default] kernel: h_add, g_h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17130,39 +17286,39 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_10.end();
-  coconet::cuda::trace::Unit trace_11(11, stream);
-  // [default] sum_lead d_b_fc (gpt_block.ccn)
-  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [default] matmul_nt g_n2_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [default] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [default] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
+  // [default] matmul_nt g_n2_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
+  // [default] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
-  // kernel g_x1: the epilogue of the layernorm_dx above
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
-  // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // kernel g_x1: the epilogue of the layernorm_dx above
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
-  // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
+  // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  trace_19.end();
+  coconet::cuda::trace::Unit trace_20(20, stream);
   // [default] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17172,64 +17328,64 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
     coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
-      const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+      const float k4_g_x1_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_x1_add = coconet::to_compute(v_seed[0]);
       auto rest = i;
       const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
       const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
       const int64_t c0 = rest;
-      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
       v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       (void)col;
       return x_g_x1_add;
     });
   }
-  trace_19.end();
-  coconet::cuda::trace::Unit trace_20(20, stream);
-  // [default] sum_lead g_bo_part (gpt_block.ccn)
-  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
-  // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  // [default] sum_lead g_bo_part (gpt_block.ccn)
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
-  // [default] matmul_nt g_o (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
-  // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] matmul_nt g_o (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_23.end();
   coconet::cuda::trace::Unit trace_24(24, stream);
-  // [default] reshape d_wo (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
-  // [default] reshape g_o_transpose (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_25.end();
   coconet::cuda::trace::Unit trace_26(26, stream);
-  // [default] transpose g_o_matmul (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [default] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_26.end();
   coconet::cuda::trace::Unit trace_27(27, stream);
-  // [default] transpose t1_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
-  // [default] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
-  // [default] transpose t2_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
   trace_29.end();
   coconet::cuda::trace::Unit trace_30(30, stream);
-  // [default] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   trace_30.end();
   coconet::cuda::trace::Unit trace_31(31, stream);
+  // [default] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_31.end();
+  coconet::cuda::trace::Unit trace_32(32, stream);
   // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17240,8 +17396,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
-      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
+      const float k6_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k7_g_p = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
@@ -17263,7 +17419,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -17275,13 +17431,13 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
         const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
-        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
-  trace_31.end();
-  coconet::cuda::trace::Unit trace_32(32, stream);
+  trace_32.end();
+  coconet::cuda::trace::Unit trace_33(33, stream);
   // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17307,12 +17463,12 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_32.end();
-  coconet::cuda::trace::Unit trace_33(33, stream);
-  // [default] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
+  // [default] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_34.end();
+  coconet::cuda::trace::Unit trace_35(35, stream);
   // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17323,7 +17479,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
-      const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
+      const float k8_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
@@ -17348,7 +17504,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c3 = cv3;
           const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
           const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -17362,101 +17518,101 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
     });
   }
-  trace_34.end();
-  coconet::cuda::trace::Unit trace_35(35, stream);
-  // [default] transpose t4_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_35.end();
   coconet::cuda::trace::Unit trace_36(36, stream);
-  // [default] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_36.end();
   coconet::cuda::trace::Unit trace_37(37, stream);
-  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   trace_37.end();
   coconet::cuda::trace::Unit trace_38(38, stream);
-  // [default] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_38.end();
   coconet::cuda::trace::Unit trace_39(39, stream);
-  // [default] transpose g_k (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   trace_39.end();
   coconet::cuda::trace::Unit trace_40(40, stream);
-  // [default] transpose g_v_reshape3 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_40.end();
   coconet::cuda::trace::Unit trace_41(41, stream);
-  // [default] reshape g_v_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_41.end();
   coconet::cuda::trace::Unit trace_42(42, stream);
-  // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [default] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_42.end();
   coconet::cuda::trace::Unit trace_43(43, stream);
-  // [default] reshape d_bv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_43.end();
   coconet::cuda::trace::Unit trace_44(44, stream);
-  // [default] matmul_nt g_n1_part (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_44.end();
   coconet::cuda::trace::Unit trace_45(45, stream);
-  // [default] matmul_tn g_v_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] matmul_nt g_n1_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   trace_45.end();
   coconet::cuda::trace::Unit trace_46(46, stream);
-  // [default] reshape d_wv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_46.end();
   coconet::cuda::trace::Unit trace_47(47, stream);
-  // [default] transpose g_k_reshape2 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_47.end();
   coconet::cuda::trace::Unit trace_48(48, stream);
-  // [default] reshape g_k_matmul (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_48.end();
   coconet::cuda::trace::Unit trace_49(49, stream);
-  // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_49.end();
   coconet::cuda::trace::Unit trace_50(50, stream);
-  // [default] matmul_tn g_k_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] matmul_nt g_n1_part2 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   trace_50.end();
   coconet::cuda::trace::Unit trace_51(51, stream);
-  // [default] reshape d_wk (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_51.end();
   coconet::cuda::trace::Unit trace_52(52, stream);
-  // [default] transpose g_q_reshape2 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_52.end();
   coconet::cuda::trace::Unit trace_53(53, stream);
-  // [default] reshape g_q_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] transpose g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_53.end();
   coconet::cuda::trace::Unit trace_54(54, stream);
-  // [default] sum_lead g_q_reshape (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [default] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_54.end();
   coconet::cuda::trace::Unit trace_55(55, stream);
-  // [default] reshape d_bq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] sum_lead g_q_reshape (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_55.end();
   coconet::cuda::trace::Unit trace_56(56, stream);
-  // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_56.end();
   coconet::cuda::trace::Unit trace_57(57, stream);
+  // [default] matmul_nt g_n1_part3 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  trace_57.end();
+  coconet::cuda::trace::Unit trace_58(58, stream);
   // [default] kernel: g_n1_part4 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -17483,58 +17639,58 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_57.end();
-  coconet::cuda::trace::Unit trace_58(58, stream);
-  // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_58.end();
   coconet::cuda::trace::Unit trace_59(59, stream);
-  // [default] reshape d_wq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [default] matmul_tn g_qm_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_59.end();
   coconet::cuda::trace::Unit trace_60(60, stream);
-  // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
-  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
+  // [default] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_60.end();
   coconet::cuda::trace::Unit trace_61(61, stream);
-  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   trace_61.end();
   coconet::cuda::trace::Unit trace_62(62, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_62.end();
   coconet::cuda::trace::Unit trace_63(63, stream);
-  // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_63.end();
   coconet::cuda::trace::Unit trace_64(64, stream);
-  // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_64.end();
   coconet::cuda::trace::Unit trace_65(65, stream);
-  // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_65.end();
   coconet::cuda::trace::Unit trace_66(66, stream);
-  // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_66.end();
   coconet::cuda::trace::Unit trace_67(67, stream);
-  // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_67.end();
   coconet::cuda::trace::Unit trace_68(68, stream);
-  // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_68.end();
   coconet::cuda::trace::Unit trace_69(69, stream);
-  // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_69.end();
   coconet::cuda::trace::Unit trace_70(70, stream);
+  // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_70.end();
+  coconet::cuda::trace::Unit trace_71(71, stream);
   // [default] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
-  trace_70.end();
+  trace_71.end();
 }
 
 // program gpt_block_sp_bwd, schedule backward (gpt_block.ccn)
@@ -17594,93 +17750,93 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
   float* const v_p = a.tensor<float>(20);
   COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
-  float* const v_a = a.tensor<float>(21);
-  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_o = a.tensor<float>(22);
+  float* const v_o = a.tensor<float>(21);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_x1 = a.tensor<float>(23);
+  float* const v_x1 = a.tensor<float>(22);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2 = a.tensor<float>(24);
+  float* const v_n2 = a.tensor<float>(23);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_hm = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(24);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
-  float* const v_h = a.tensor<float>(26);
+  float* const v_h = a.tensor<float>(25);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(27);
+  float* const v_d_y = a.tensor<float>(26);
   COCONET_PARAM(v_d_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_qm_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_a = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_g_y_add = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(3, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(4, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(13, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(14, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(14, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_o = coconet::cuda::scratch<float>(15, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t0_g_a = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t0_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t0_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t0_g_a), "t0_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t1_g_v = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t1_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t1_g_v), "t1_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t2_g_rows = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_rows), "t2_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t3_g_q = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t3_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t3_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t3_g_q), "t3_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t4_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t4_g_s_transpose), "t4_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
@@ -17689,32 +17845,32 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t5_d_x = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(37, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(38, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -17760,10 +17916,62 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [backward] reshape ap_reshape (gpt_block.ccn:133)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  // [backward] kernel: a (gpt_block.ccn:131)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
+      const float k0_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k1_a = coconet::to_compute(v_seed[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k0_a), int64_t(k1_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
+  // [backward] reshape ap_reshape (gpt_block.ccn:133)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:133)", ctx);
+  trace_5.end();
+  coconet::cuda::trace::Unit trace_6(6, stream);
   // [backward] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17773,29 +17981,29 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
     coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
-      const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+      const float k2_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k3_g_y_add = coconet::to_compute(v_seed[0]);
       auto rest = i;
       const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
       const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
       const int64_t c0 = rest;
-      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k2_g_y_add), int64_t(k3_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
       v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       (void)col;
       return x_g_y_add;
     });
   }
-  trace_5.end();
-  coconet::cuda::trace::Unit trace_6(6, stream);
-  // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
+  // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  trace_7.end();
+  coconet::cuda::trace::Unit trace_8(8, stream);
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:225)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 39);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 40);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
@@ -17803,19 +18011,19 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: gather the chunk", i, ctx.comm_stream);
         coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
       }
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 38);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 39);  // chunk i has arrived
       {
         const coconet::cuda::trace::Piece tp("overlap: consume the chunk", i, stream);
         coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
       }
     }
   }
-  trace_7.end();
-  coconet::cuda::trace::Unit trace_8(8, stream);
-  // [backward] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
+  // [backward] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  trace_9.end();
+  coconet::cuda::trace::Unit trace_10(10, stream);
   // [backward] kernel: h_add, g_h_add (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -17838,12 +18046,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       return x_g_h_add;
     });
   }
-  trace_9.end();
-  coconet::cuda::trace::Unit trace_10(10, stream);
-  // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   trace_10.end();
   coconet::cuda::trace::Unit trace_11(11, stream);
+  // [backward] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  trace_11.end();
+  coconet::cuda::trace::Unit trace_12(12, stream);
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:227)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -17855,7 +18063,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const coconet::cuda::trace::Piece tp("overlap: produce the chunk", ob, stream);
         coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, sctx.stream, 40);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 41);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -17868,8 +18076,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
     const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(42, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(43, nred_f3);
+    float* const red0_f3 = coconet::cuda::scratch<float>(43, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(44, nred_f3);
   COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
   COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
@@ -17884,8 +18092,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi));
       coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_g_n2s + lo), stream, [=] __device__ (const auto& th) {
-        const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-        const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+        const float k4_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k5_g_x1_add = coconet::to_compute(v_seed[0]);
         for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_g_n2s;
@@ -17924,15 +18132,15 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       });
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_g_allgather4, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_g_x1, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_x1_add, lo, hi));
       coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
-        const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-        const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+        const float k4_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k5_g_x1_add = coconet::to_compute(v_seed[0]);
         for (const auto j : th.elements()) {
           const int64_t i = lo + j;
           auto rest = i;
           const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
           const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k4_g_x1_add), int64_t(k5_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
           v_g_allgather4[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_g_x1_add);
         }
@@ -17942,66 +18150,66 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
     auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
     auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 352, reduce_to, compute_keep, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 360, reduce_to, compute_keep, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 41);
+    coconet::cuda::join(sctx.stream, ctx.stream, 42);
   }
-  trace_11.end();
-  coconet::cuda::trace::Unit trace_12(12, stream);
-  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
-  // [backward] matmul_nt g_o (gpt_block.ccn)
-  coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] sum_lead g_bo_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
-  // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] matmul_nt g_o (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_17.end();
   coconet::cuda::trace::Unit trace_18(18, stream);
-  // [backward] reshape d_wo (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
   trace_18.end();
   coconet::cuda::trace::Unit trace_19(19, stream);
-  // [backward] reshape g_o_transpose (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_19.end();
   coconet::cuda::trace::Unit trace_20(20, stream);
-  // [backward] transpose g_o_matmul (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [backward] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_20.end();
   coconet::cuda::trace::Unit trace_21(21, stream);
-  // [backward] transpose t0_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   trace_21.end();
   coconet::cuda::trace::Unit trace_22(22, stream);
-  // [backward] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t0_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_22.end();
   coconet::cuda::trace::Unit trace_23(23, stream);
-  // [backward] transpose t1_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
   trace_23.end();
   coconet::cuda::trace::Unit trace_24(24, stream);
-  // [backward] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t1_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   trace_24.end();
   coconet::cuda::trace::Unit trace_25(25, stream);
+  // [backward] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  trace_25.end();
+  coconet::cuda::trace::Unit trace_26(26, stream);
   // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18012,8 +18220,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
-      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
+      const float k6_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k7_g_p = coconet::to_compute(v_seed[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
@@ -18035,7 +18243,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -18047,13 +18255,13 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
         const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
-        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k6_g_p), int64_t(k7_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
-  trace_25.end();
-  coconet::cuda::trace::Unit trace_26(26, stream);
+  trace_26.end();
+  coconet::cuda::trace::Unit trace_27(27, stream);
   // [backward] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18079,12 +18287,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  trace_26.end();
-  coconet::cuda::trace::Unit trace_27(27, stream);
-  // [backward] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
+  // [backward] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  trace_28.end();
+  coconet::cuda::trace::Unit trace_29(29, stream);
   // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18095,7 +18303,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
     coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
-      const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
+      const float k8_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
@@ -18120,7 +18328,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c3 = cv3;
           const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
           const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -18134,89 +18342,89 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
-        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k8_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
     });
   }
-  trace_28.end();
-  coconet::cuda::trace::Unit trace_29(29, stream);
-  // [backward] transpose t3_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_29.end();
   coconet::cuda::trace::Unit trace_30(30, stream);
-  // [backward] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t3_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_30.end();
   coconet::cuda::trace::Unit trace_31(31, stream);
-  // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   trace_31.end();
   coconet::cuda::trace::Unit trace_32(32, stream);
-  // [backward] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   trace_32.end();
   coconet::cuda::trace::Unit trace_33(33, stream);
-  // [backward] transpose g_k (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
-  // [backward] transpose g_v_reshape3 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   trace_34.end();
   coconet::cuda::trace::Unit trace_35(35, stream);
-  // [backward] reshape g_v_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_35.end();
   coconet::cuda::trace::Unit trace_36(36, stream);
-  // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [backward] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_36.end();
   coconet::cuda::trace::Unit trace_37(37, stream);
-  // [backward] reshape d_bv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_37.end();
   coconet::cuda::trace::Unit trace_38(38, stream);
-  // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_38.end();
   coconet::cuda::trace::Unit trace_39(39, stream);
-  // [backward] reshape d_wv (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_39.end();
   coconet::cuda::trace::Unit trace_40(40, stream);
-  // [backward] transpose g_k_reshape2 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_40.end();
   coconet::cuda::trace::Unit trace_41(41, stream);
-  // [backward] reshape g_k_matmul (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_41.end();
   coconet::cuda::trace::Unit trace_42(42, stream);
-  // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_42.end();
   coconet::cuda::trace::Unit trace_43(43, stream);
-  // [backward] reshape d_wk (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_43.end();
   coconet::cuda::trace::Unit trace_44(44, stream);
-  // [backward] transpose g_q_reshape2 (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_44.end();
   coconet::cuda::trace::Unit trace_45(45, stream);
-  // [backward] reshape g_q_add (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
   trace_45.end();
   coconet::cuda::trace::Unit trace_46(46, stream);
-  // [backward] sum_lead g_q_reshape (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [backward] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_46.end();
   coconet::cuda::trace::Unit trace_47(47, stream);
-  // [backward] reshape d_bq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] sum_lead g_q_reshape (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
   trace_47.end();
   coconet::cuda::trace::Unit trace_48(48, stream);
+  // [backward] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  trace_48.end();
+  coconet::cuda::trace::Unit trace_49(49, stream);
   // [backward] overlap g_n1_part4 -> g_n1s: 2 chunks along dim 0 (gpt_block.ccn:228)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -18230,62 +18438,62 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         coconet::cuda::matmul_nt_acc<float>(v_g_k_matmul + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_k_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
         coconet::cuda::matmul_nt_acc<float>(v_g_q_add + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_qm_reshape, v_g_n1_part4 + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       }
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 45);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 46);
       {
         const coconet::cuda::trace::Piece tp("overlap: communicate the chunk", i, ctx.comm_stream);
         coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4 + r.begin * S_S * S_H, v_g_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
       }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 46);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 47);
   }
-  trace_48.end();
-  coconet::cuda::trace::Unit trace_49(49, stream);
-  // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_49.end();
   coconet::cuda::trace::Unit trace_50(50, stream);
-  // [backward] reshape d_wq (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   trace_50.end();
   coconet::cuda::trace::Unit trace_51(51, stream);
-  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // [backward] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   trace_51.end();
   coconet::cuda::trace::Unit trace_52(52, stream);
-  // kernel d_x: the epilogue of the layernorm_dx above
+  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   trace_52.end();
   coconet::cuda::trace::Unit trace_53(53, stream);
-  // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // kernel d_x: the epilogue of the layernorm_dx above
   trace_53.end();
   coconet::cuda::trace::Unit trace_54(54, stream);
-  // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_54.end();
   coconet::cuda::trace::Unit trace_55(55, stream);
-  // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   trace_55.end();
   coconet::cuda::trace::Unit trace_56(56, stream);
-  // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_56.end();
   coconet::cuda::trace::Unit trace_57(57, stream);
-  // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_57.end();
   coconet::cuda::trace::Unit trace_58(58, stream);
-  // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_58.end();
   coconet::cuda::trace::Unit trace_59(59, stream);
-  // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
-  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_59.end();
   coconet::cuda::trace::Unit trace_60(60, stream);
+  // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  trace_60.end();
+  coconet::cuda::trace::Unit trace_61(61, stream);
   // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
-  trace_60.end();
+  trace_61.end();
 }
 
 }  // namespace coconet_gen
