@@ -406,6 +406,20 @@ def find(units: tuple[Unit, ...] | list[Unit], buffers: dict[str, Buffer]) -> tu
     return _with_dead_transposes(d, found, taken)
 
 
+def unwritten(units: tuple[Unit, ...] | list[Unit], buffers: dict[str, Buffer], a: Attention) -> set[str]:
+    """The scratch values of A's chain that its call neither writes nor reads (the scores, the
+    masked scores, a dropout's result the call computes as it goes): only A's members touch them,
+    so where A runs as one call they need no memory."""
+    named = {a.q, a.k, a.v, a.g, a.o, a.s, a.w, a.p, a.a, a.s_in, a.p_in, a.a_in, a.dq, a.dk, a.dv}
+    members = set(a.members)
+    inner: set[str] = set()
+    for i in members:
+        u = units[i]
+        inner |= {it.name for it in u.items} if isinstance(u, Loop) else {u.dst} if isinstance(u, Library) else set()
+    return {n for n in inner - named if n in buffers and buffers[n].kind == "scratch"
+            and not any(_touches(u, {n}) for j, u in enumerate(units) if j not in members)}
+
+
 def _with_dead_transposes(d: _Defs, found: list[Attention], taken: set[int]) -> tuple[Attention, ...]:
     """The chains with each transposed copy of the last two dims (T = transpose(K), a scratch
     value) that only members of chains read, across chains: the forward's T read by the

@@ -24,6 +24,7 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
+from coconetc.plan.attention import unwritten
 from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import accumulates, fused_loop, residual_only
 from coconetc.ir.rng_keys import site_key
@@ -47,6 +48,9 @@ class CpuRenderer:
         self.colsums = fused_sums(plan.units, "cpu")  # sum_leads the loops compute (plan/colsums.py)
         self.attention = {id(plan.units[i]): (a, i == a.members[-1])
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
+        # the values only an attention call's members compute, which the call does not write: no memory
+        bufs = {b.name: b for b in plan.buffers}
+        self.inside = {n for a in plan.attention if "cpu" in a.fused for n in unwritten(plan.units, bufs, a)}
         self.started: list[str] = []  # the prefetched gathers in flight (StartGather)
 
     def render(self) -> Function:
@@ -157,6 +161,8 @@ class CpuRenderer:
             self.w.emit(f"const coconet::Segments<{ct}> p_{b.name} = a.segments<{ct}>({self.w.tensor_arg(b.name)});")
         elif b.kind == "param":
             self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({self.w.tensor_arg(b.name)});")
+        elif b.kind == "scratch" and b.name in self.inside:
+            self.w.emit(f"{ct}* const v_{b.name} = nullptr;  // inside the attention call only: no memory")
         elif b.kind == "scratch":
             # kept across calls (per thread): no allocation and no page faults after the first call;
             # where the plan places it in the group's shared window (Buffer.shared: the source of

@@ -54,22 +54,22 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
   float* const v_t11_v = coconet::scratch<float, 8>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_t12_v = v_t11_v;  // a reshape of t11_v: its memory, no copy
   float* const v_v = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t13_s = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_t14_s = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_s = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t15_p = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_p = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_a = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t16_o = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t17_o = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_t13_s = nullptr;  // inside the attention call only: no memory
+  float* const v_t14_s = nullptr;  // inside the attention call only: no memory
+  float* const v_s = nullptr;  // inside the attention call only: no memory
+  float* const v_t15_p = nullptr;  // inside the attention call only: no memory
+  float* const v_p = nullptr;  // inside the attention call only: no memory
+  float* const v_a = nullptr;  // inside the attention call only: no memory
+  float* const v_t16_o = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t17_o = coconet::scratch<float, 11>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::scratch<float, 18>(S_B * S_S * S_H);
-  float* const v_ag_x1 = coconet::scratch<float, 19>(S_B * S_S * S_H);
-  float* const v_n2 = coconet::scratch<float, 20>(S_B * S_S * S_H);
-  float* const v_hm = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_h = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_mp = coconet::scratch<float, 23>(S_B * S_S * S_H);
+  float* const v_ap = coconet::scratch<float, 12>(S_B * S_S * S_H);
+  float* const v_ag_x1 = coconet::scratch<float, 13>(S_B * S_S * S_H);
+  float* const v_n2 = coconet::scratch<float, 14>(S_B * S_S * S_H);
+  float* const v_hm = coconet::scratch<float, 15>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::scratch<float, 16>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_mp = coconet::scratch<float, 17>(S_B * S_S * S_H);
   float* const v_ag_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [overlapped] layernorm n1 (gpt_block.ccn:36)

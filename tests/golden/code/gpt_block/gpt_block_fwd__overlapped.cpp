@@ -54,22 +54,22 @@ void gpt_block_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_t11_v = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_t12_v = v_t11_v;  // a reshape of t11_v: its memory, no copy
   float* const v_v = a.output<float>(4);
-  float* const v_t13_s = coconet::scratch<float, 6>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_t14_s = coconet::scratch<float, 7>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_s = coconet::scratch<float, 8>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t15_p = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t13_s = nullptr;  // inside the attention call only: no memory
+  float* const v_t14_s = nullptr;  // inside the attention call only: no memory
+  float* const v_s = nullptr;  // inside the attention call only: no memory
+  float* const v_t15_p = nullptr;  // inside the attention call only: no memory
   float* const v_p = a.output<float>(5);
-  float* const v_a = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t16_o = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_a = nullptr;  // inside the attention call only: no memory
+  float* const v_t16_o = coconet::scratch<float, 6>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   float* const v_o = a.output<float>(6);
   float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::scratch<float, 12>(S_B * S_S * S_H);
+  float* const v_ap = coconet::scratch<float, 7>(S_B * S_S * S_H);
   float* const v_ag_x1 = a.output<float>(7);
   float* const v_n2 = a.output<float>(8);
   float* const v_hm = a.output<float>(9);
   float* const v_h = a.output<float>(10);
-  float* const v_mp = coconet::scratch<float, 13>(S_B * S_S * S_H);
+  float* const v_mp = coconet::scratch<float, 8>(S_B * S_S * S_H);
   float* const v_ag_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");  // t0_q's check
