@@ -99,7 +99,8 @@ Ref reference(const Shape& sh, const std::vector<double>& q, const std::vector<d
 // A = dropout(P) masked: dq, dk, dv.
 Ref pieces_backward(const Shape& sh, const std::vector<double>& P, const std::vector<double>& q,
                     const std::vector<double>& k, const std::vector<double>& v, const std::vector<double>& g,
-                    int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site) {
+                    int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site,
+                    bool a_every_entry = false) {
   const int64_t M = sh.M, N = sh.N, D = sh.D, E = sh.E;
   const int64_t batch = sh.outer * sh.mid_local * sh.inner;
   Ref r;
@@ -128,7 +129,7 @@ Ref pieces_backward(const Shape& sh, const std::vector<double>& P, const std::ve
           for (int64_t j = 0; j < N; ++j) {
             const bool kept = j - i <= diagonal;
             const double dS = kept ? P[row + size_t(j)] * (dP[size_t(j)] - rr) * scale : 0.0;
-            const double A = kept ? P[row + size_t(j)] * keepf[size_t(j)] : 0.0;
+            const double A = kept || a_every_entry ? P[row + size_t(j)] * keepf[size_t(j)] : 0.0;
             for (int64_t d = 0; d < D; ++d) {
               r.dq[size_t((b * M + i) * D + d)] += dS * k[size_t((b * N + j) * D + d)];
               r.dk[size_t((b * N + j) * D + d)] += dS * q[size_t((b * M + i) * D + d)];
@@ -262,7 +263,8 @@ void attention_case(const Shape& sh, int64_t diagonal, double drop_p) {
   close(dv2, dv_want, rtol, what + " bwd whole a_in dv");
   // p_whole: the forward's p (masked entries 0) gives the forward's gradients; a p_in whose masked
   // entries are nonzero in some rows (every third row's, random) is read whole, as the pieces'
-  // sum_keep(dP * P) reads it
+  // sum_keep(dP * P) reads it, and A (no a_in) is dropout(P) at every entry of those rows, as a
+  // backward program's a = dropout(p) of its saved p is
   for (int round = 0; round < 2; ++round) {
     std::vector<double> P(ref.p);
     if (round == 1)
@@ -270,7 +272,7 @@ void attention_case(const Shape& sh, int64_t diagonal, double drop_p) {
         for (int64_t i = 0; i < M; i += 3)
           for (int64_t j = 0; j < N; ++j)
             if (j - i > diagonal) P[size_t((b * M + i) * N + j)] = double(T(uniform(17, 0, (b * M + i) * N + j)));
-    const Ref want = pieces_backward(sh, P, q, k, v, g, diagonal, scale, drop_p, seed, site);
+    const Ref want = pieces_backward(sh, P, q, k, v, g, diagonal, scale, drop_p, seed, site, true);
     const std::vector<T> pt = to_t<T>(P);
     std::vector<T> dq3(dq.size(), nan), dk3(dk.size(), nan), dv3(dv.size(), nan);
     attention_bwd<T>(qt.data(), kt.data(), vt.data(), nullptr, pt.data(), nullptr, gt.data(), dq3.data(), dk3.data(),
