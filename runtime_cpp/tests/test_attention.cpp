@@ -96,7 +96,7 @@ Ref reference(const Shape& sh, const std::vector<double>& q, const std::vector<d
 }
 
 // The pieces' backward from a given P (every entry read, as sum_keep(dP * P) reads them) with
-// A = dropout(P) masked: dq, dk, dv.
+// A = dropout(P) masked (a_every_entry: dropout(P) at every entry): dq, dk, dv.
 Ref pieces_backward(const Shape& sh, const std::vector<double>& P, const std::vector<double>& q,
                     const std::vector<double>& k, const std::vector<double>& v, const std::vector<double>& g,
                     int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site,
