@@ -168,6 +168,10 @@ class _Chain:
             self.values.add(n)
             self.members.add(self.d.index(n))
 
+    def copy(self) -> _Chain:
+        """The same match, to grow without changing this one."""
+        return _Chain(self.d, set(self.results), set(self.allowed), set(self.members), set(self.values))
+
     def only_read_by_chain(self, name: str, *but: int) -> bool:
         """Whether no unit other than the members and BUT touches NAME."""
         return not any(_touches(u, {name}) for j, u in enumerate(self.d.units) if j not in self.members and j not in but)
@@ -369,7 +373,7 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, ga: str, p: str, v: str,
         return None  # P is not the softmax of the scores masked alike: its masked entries may not be 0
     if wm is not None and ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) \
             and isinstance(wm[1], Ref) and d.buffers[wm[1].name].kind in MEMORY:
-        again = _Chain(d, set(ch.results), set(ch.allowed), set(ch.members), set(ch.values))
+        again = ch.copy()
         again.add(w, p)
         if again.written() is not None:  # (W's loop may compute other values too: then P is read)
             s_in, p_in, ch = wm[1].name, "", again  # P computed again from the stored scores
@@ -381,7 +385,7 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, ga: str, p: str, v: str,
     scale, diagonal, (drop_p, seed, site) = how
     a_in = "" if a == p and not p_whole else a  # (a saved P is its own A: dv reads it whole)
     if a != p and made and dropped is not None and dropped[1] == how[2] and ch.only_read_by_chain(a, d.item[a][0]):
-        again = _Chain(d, set(ch.results), set(ch.allowed), set(ch.members), set(ch.values))
+        again = ch.copy()
         again.add(a)
         if again.written() is not None:  # A = dropout(P) with GA's mask, computed again by the call (a backward
             a_in, ch = "", again          # program's, autodiff/saved.py): a is not written

@@ -49,8 +49,7 @@ class CpuRenderer:
         self.attention = {id(plan.units[i]): (a, i == a.members[-1])
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
         # the values only an attention call's members compute, which the call does not write: no memory
-        bufs = {b.name: b for b in plan.buffers}
-        self.inside = {n for a in plan.attention if "cpu" in a.fused for n in unwritten(plan.units, bufs, a)}
+        self.inside = {n for a in plan.attention if "cpu" in a.fused for n in unwritten(plan.units, self.w.buffers, a)}
         self.started: list[str] = []  # the prefetched gathers in flight (StartGather)
 
     def render(self) -> Function:
