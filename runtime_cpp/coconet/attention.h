@@ -200,6 +200,13 @@ inline void attention_keep(uint64_t seed, uint32_t site, uint64_t gidx0, uint32_
     keep[j] = dropout_keep(seed, site, gidx0 + static_cast<uint64_t>(j), threshold) ? 1 : 0;
 }
 
+// x[0:n) = dropout with attention_keep's decisions: each kept element times scale (1 / (1 - p)),
+// each dropped one 0 (the forward's A, dP, and A drawn again in the backward).
+template <typename T>
+inline void attention_apply_keep(T* x, const unsigned char* keep, int64_t n, T scale) {
+  for (int64_t j = 0; j < n; ++j) x[j] = keep[j] ? x[j] * scale : T(0);
+}
+
 }  // namespace detail
 
 // C[M, N] += op(A) x op(B) (gemm_trans's operands; C must not overlap A or B): sgemm / dgemm
@@ -287,7 +294,7 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
         }
         if (drop) {
           detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kc, keep);
-          for (int64_t j = 0; j < kc; ++j) t[j] = keep[j] ? t[j] * keep_scale : T(0);
+          detail::attention_apply_keep(t, keep, kc, keep_scale);
         }
         if (a_out) {
           std::copy(t, t + kc, a_out + row);
@@ -366,7 +373,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
             std::copy(p_in + (b * M + i) * N, p_in + (b * M + i + 1) * N, p);
             if (drop) {
               detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, N, keep);
-              for (int64_t j = 0; j < N; ++j) p[j] = keep[j] ? p[j] * keep_scale : T(0);
+              detail::attention_apply_keep(p, keep, N, keep_scale);
             }
           }
           gemm_trans_acc(true, false, N, E, rows, pt, N, gb + i0 * E, E, dvb, E);
@@ -390,7 +397,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         }
         if (drop) {
           detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kr, keep);
-          for (int64_t j = 0; j < kr; ++j) d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
+          detail::attention_apply_keep(d, keep, kr, keep_scale);  // dP
         }
         const T r = detail::attention_row_dot<T>(d, p, kr);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
@@ -402,7 +409,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
           std::fill(p + kc, p + c, T(0));
         } else {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
           if (drop)
-            for (int64_t j = 0; j < kr; ++j) p[j] = keep[j] ? p[j] * keep_scale : T(0);
+            detail::attention_apply_keep(p, keep, kr, keep_scale);
           std::fill(p + kr, p + c, T(0));
         }
       }
