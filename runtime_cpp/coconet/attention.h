@@ -362,25 +362,13 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
     for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
       const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
       const int64_t kept = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));
-      if (kept == 0) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a whole a_in
-        std::fill(dqb + i0 * D, dqb + i1 * D, T(0));  // or a whole p_in's A)
-        if (a_in && a_whole) {
+      const bool whole = p_in && p_whole && detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal);
+      if (kept == 0 && !whole) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a
+        std::fill(dqb + i0 * D, dqb + i1 * D, T(0));  // whole a_in; a whole p_in's rows go the way below:
+        if (a_in && a_whole)                          // dS 0, A = dropout(P) at every entry)
           gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
-        } else if (!a_in && p_in && p_whole &&
-                   detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal)) {
-          for (int64_t i = i0; i < i1; ++i) {  // A = dropout(P) at every entry of the rows
-            T* p = pt + (i - i0) * N;
-            std::copy(p_in + (b * M + i) * N, p_in + (b * M + i + 1) * N, p);
-            if (drop) {
-              detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, N, keep);
-              detail::attention_apply_keep(p, keep, N, keep_scale);
-            }
-          }
-          gemm_trans_acc(true, false, N, E, rows, pt, N, gb + i0 * E, E, dvb, E);
-        }
         continue;
       }
-      const bool whole = p_in && p_whole && detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal);
       const int64_t c = whole ? N : kept;  // columns of dA computed; the tiles' leading dim
       gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
       for (int64_t i = i0; i < i1; ++i) {
