@@ -50,8 +50,10 @@ none posted ahead ("old ms"; "old/new": its median over the default's).
 Run: python bench/pipeline.py [--layers 8] [--hidden 256] [--heads 4] [--seq 128] [--batch 8]
      [--vocab 512] [--stages 2,4] [--microbatches 4,8] [--orders gpipe,1f1b,interleaved,zero_bubble,zero_bubble_h2,zero_bubble_v]
      [--reps 5] [--json PATH] [--old-receives]
-It relaunches itself on max(--stages) ranks under mpiexec (the ranks past a pipeline's P wait
-at the barriers); rank 0 prints the table (and with --json writes every number)."""
+It relaunches itself under mpiexec once for each P, on P ranks (a pipeline of P stages of one
+rank, as a user runs one: no idle ranks beside it on the cores), then prints the table of every
+case (and with --json writes every number). Started under mpiexec itself, it runs every P in that
+job, the ranks past a pipeline's P waiting at the barriers."""
 
 from __future__ import annotations
 
@@ -612,6 +614,36 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, meta: dict[str,
         print(f"\nwrote {out}")
 
 
+ENV_PART = "COCONET_BENCH_PIPELINE_PART"  # jobs(): where a job's rank 0 writes its cases
+
+
+def jobs(a: argparse.Namespace) -> int:
+    """Each P of --stages in a job of its own of P ranks (a pipeline of P stages of one rank as a
+    user runs one: no idle ranks beside it on the cores), one after the other; then the report of
+    every case, as one job's would be. Non-zero if a job failed or found a loss mismatch."""
+    import tempfile
+
+    from coconetc.launch.mpiexec import run_python
+    argv = [str(Path(__file__).resolve()), "--layers", str(a.layers), "--hidden", str(a.hidden), "--heads",
+            str(a.heads), "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab), "--microbatches",
+            ",".join(map(str, a.microbatches)), "--orders", ",".join(a.orders), "--reps", str(a.reps)]
+    argv += ["--no-torch"] * a.no_torch + ["--old-receives"] * a.old_receives
+    results: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    rc = 0
+    with tempfile.TemporaryDirectory(prefix="coconet-bench-pipeline-") as tmp:
+        for P in a.stages:
+            part = Path(tmp) / f"P{P}.json"
+            rc = max(rc, run_python(P, [*argv, "--stages", str(P)], env={ENV_PART: str(part)}))
+            if not part.exists():  # the job ended before its report: its own output says why
+                return rc or 1
+            meta = json.loads(part.read_text())
+            results += meta.pop("results")
+    meta["ranks"] = a.stages  # one job a P, of P ranks
+    report(results, a, meta)
+    return rc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -632,11 +664,10 @@ def main() -> int:
     a = ap.parse_args()
     check_args(a)
     ranks = max(a.stages)
-    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:  # build once, then the ranks
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:  # build once, then the jobs
         import coconetc
         coconetc.load(GPT_BLOCK, log=lambda msg: None, grad=(f"{PROGRAM}:x",))
-        from coconetc.launch.mpiexec import run_python
-        return run_python(ranks, [str(Path(__file__).resolve()), *sys.argv[1:]])
+        return jobs(a)
     os.environ.setdefault("COCONET_THREADS", "1")
     import warnings
 
@@ -678,7 +709,11 @@ def main() -> int:
                 "coconet_threads": os.environ.get("COCONET_THREADS"), "torch": torch.__version__, "dtype": "f32",
                 "sizes": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "seq": a.seq, "batch": a.batch,
                           "vocab": a.vocab}, "reps": a.reps, "interleaved_chunks": V_INTERLEAVED}
-        report(results, a, meta)
+        part = os.environ.get(ENV_PART)
+        if part:  # one job of jobs(): its cases for the report of every P
+            Path(part).write_text(json.dumps({**meta, "results": results}))
+        else:
+            report(results, a, meta)
     bad = world.bcast([f"P={r['P']} M={r['M']} {r['order']}" for r in results if r.get("loss_match") is False]
                       if rank == 0 else None, root=0)
     world.Barrier()
