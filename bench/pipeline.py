@@ -624,10 +624,8 @@ def jobs(a: argparse.Namespace) -> int:
     import tempfile
 
     from coconetc.launch.mpiexec import run_python
-    argv = [str(Path(__file__).resolve()), "--layers", str(a.layers), "--hidden", str(a.hidden), "--heads",
-            str(a.heads), "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab), "--microbatches",
-            ",".join(map(str, a.microbatches)), "--orders", ",".join(a.orders), "--reps", str(a.reps)]
-    argv += ["--no-torch"] * a.no_torch + ["--old-receives"] * a.old_receives
+    # this run's own arguments, a last --stages (argparse keeps an option's last value) naming the job's P
+    argv = [str(Path(__file__).resolve()), *sys.argv[1:]]
     results: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     rc = 0
