@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -95,7 +96,7 @@ def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
     from coconetc.sourcefile import load_file
     sgd = REPO / "examples" / "sgd.ccn"
     res = CliRunner().invoke(main, ["explain", str(sgd), "-s", "fused", "--measure", "--size", "N=4099", "-n", "2",
-                                    "--reps", "3", "--format", "json"])
+                                    "--reps", "3", "--format", "json", "--value", "lr=0.25"])
     assert res.exit_code == 0, res.output
     m = json.loads(res.output[res.output.index("{"):])
     plan = load_file(sgd).plans[("sgd", "fused")]
@@ -104,9 +105,27 @@ def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
     assert m["predicted_over_measured"] == m["predicted_s"] / m["measured_s"]
     for args, said in ((["-s", "fused"], "give every size (--size N=INT)"),
                        (["--size", "N=8"], "give -s SCHEDULE"),
-                       (["-s", "nope", "--size", "N=8"], "no schedule 'nope'")):
+                       (["-s", "nope", "--size", "N=8"], "no schedule 'nope'"),
+                       (["-s", "fused", "--size", "N=8", "--value", "x=1"],
+                        "sgd has no scalar parameter 'x' (its scalar parameters: lr)"),
+                       (["-s", "fused", "--size", "N=8", "--value", "lr=fast"], "'lr' must be a number (f32), got 'fast'"),
+                       (["-s", "fused", "--size", "N=8", "--value", "lr"], "--value takes NAME=NUMBER")):
         res = CliRunner().invoke(main, ["explain", str(sgd), "--measure", *args])
         assert res.exit_code != 0 and said in res.output, res.output
+    res = CliRunner().invoke(main, ["explain", str(sgd), "--value", "lr=0.25"])
+    assert res.exit_code != 0 and "--value goes with --measure" in res.output, res.output
+    # what the ranks do with a --value: the scalar as given, every other input as drawn without it
+    from coconetc.jobs.run import scalar_values
+    from coconetc.oracle.inputs import random_inputs
+    p = load_file(REPO / "examples" / "residual_dropout.ccn").programs["f1"]
+    given = scalar_values(p, ["seed=3"])
+    assert given == {"seed": 3} and type(given["seed"]) is int
+    drawn, fixed = (random_inputs(p, 2, sizes={"B": 2, "S": 3, "H": 4}, seed=1, typical=True, values=v)
+                    for v in (None, given))
+    for a, b in zip(drawn, fixed):
+        assert b["seed"] == 3 and a["seed"] != 3
+        assert all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]
+                   for k in a if k not in given)
 
 
 def test_explain_measure_gives_what_runs_as_one_a_row():

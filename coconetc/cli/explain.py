@@ -37,10 +37,13 @@ from coconetc.cli.options import checked_target, records_options
                    "unit's measured time beside the cost model's and its bound (CPU backend).")
 @click.option("--reps", type=click.IntRange(2), default=6, show_default=True,
               help="--measure's calls (the first is a warm-up, left out).")
+@click.option("--value", "values", multiple=True, metavar="NAME=NUMBER",
+              help="--measure: a scalar parameter's value (default: random, as `coconetc run`'s inputs; "
+                   "e.g. a dropout probability of 0 to time a block without dropout).")
 @click.option("--chart", type=click.Path(dir_okay=False), metavar="PNG",
               help="With -s naming a pipeline schedule: draw its timeline to this PNG too (needs matplotlib).")
 def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, bandwidth, peak, machine, fmt,
-            measure, reps, chart) -> None:
+            measure, reps, values, chart) -> None:
     """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
     passes over memory, kernel launches and plan units, the modelled time (the CPU backend's:
     left out for --backend cuda), and the measured time where the tuning cache has one for
@@ -61,8 +64,8 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     forward and backward on one micro-batch (--ranks: a stage's ranks), the timeline, the
     bubble and each rank's peak micro-batches held; --chart PNG draws the timeline."""
     from coconetc.tune import explain as ex
-    if measure:
-        return _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps)
+    if measure or values:
+        return _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps, values, measure)
     listing = backend == "cuda" and schedule is not None and schedule != "auto"
     if fmt == "json" and not listing:
         fail("coconetc: explain --format json is the kernel listing: give --backend cuda -s SCHEDULE")
@@ -105,7 +108,8 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
 
 
-def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps) -> None:
+def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps, values=(),
+             measure=True) -> None:
     """explain --measure: the schedule built and run on RANKS ranks (`coconetc run`'s rank
     program, without comparing its results: `coconetc run` does that), every call traced (COCONET_TRACE,
     docs/tracing.md); each unit's measured time beside the model's (tune/explain.py)."""
@@ -117,6 +121,8 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     from coconetc.runtime.loader import compile_cpu
     from coconetc.toolchain import BuildError
     from coconetc.tune import explain as ex
+    if not measure:
+        fail("coconetc: --value goes with --measure (the values of the measured calls)")
     if backend != "cpu" or emulate or nodes != 1:
         fail("coconetc: explain --measure runs the CPU backend on one node (no --backend cuda, --emulate, --nodes)")
     if schedule is None or schedule == "auto":
@@ -130,6 +136,7 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     missing = [k for k in need if k not in given]
     if missing:
         fail(f"coconetc: explain --measure runs the program: give every size ({' '.join(f'--size {k}=INT' for k in missing)})")
+    scalars = _values(values, mod.programs[name])
     try:
         ex._labels(mod, name, schedule, None)  # an unknown schedule: its error, naming the known ones
         compile_cpu(mod)
@@ -139,7 +146,8 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
         fail(str(err))
     with tempfile.TemporaryDirectory(prefix="coconet_measure_") as folder:
         argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, f"--schedule={schedule}",
-                f"--reps={reps}", "--no-check", *[f"--size={k}={v}" for k, v in given.items()]]
+                f"--reps={reps}", "--no-check", *[f"--size={k}={v}" for k, v in given.items()],
+                *[f"--value={k}={v!r}" for k, v in scalars.items()]]
         code = run_python(ranks, argv, env={"COCONET_TRACE": folder})
         if code != 0:
             fail(f"coconetc: explain --measure: the ranks failed (exit code {code})")
@@ -149,3 +157,28 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     except ex.ExplainError as err:
         fail(f"coconetc: {err}")
     click.echo(json.dumps(m, indent=1) if fmt == "json" else ex.units_table(m), nl=fmt == "json")
+
+
+def _values(items: tuple[str, ...], p) -> dict:
+    """--value NAME=NUMBER, each a scalar parameter of P and a number of its dtype."""
+    from coconetc.ir.arguments import check_param
+    scalars = {q.name: q for q in p.params if q.scalar}
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq or not name.isidentifier():
+            fail(f"coconetc: --value takes NAME=NUMBER, got {item!r}")
+        if name not in scalars:
+            fail(f"coconetc: --value {item}: {p.name} has no scalar parameter '{name}' "
+                 f"(its scalar parameters: {', '.join(scalars) or 'none'})")
+        dtype = scalars[name].type.dtype
+        try:
+            number = int(text) if dtype.startswith("i") else float(text)
+        except ValueError:
+            fail(f"coconetc: --value {item}: '{name}' must be {'an integer' if dtype.startswith('i') else 'a number'} "
+                 f"({dtype}), got {text!r}")
+        try:
+            out[name] = check_param(scalars[name], number)
+        except (TypeError, ValueError) as err:
+            fail(f"coconetc: --value {item}: {err}")
+    return out

@@ -26,6 +26,8 @@ def _args(argv):
     ap.add_argument("--save")
     ap.add_argument("--no-check", action="store_true",
                     help="time the calls without comparing the results with the interpreter (explain --measure)")
+    ap.add_argument("--value", action="append", default=[],
+                    help="NAME=NUMBER: a scalar parameter's value instead of a random one (explain --measure)")
     return ap.parse_args(argv)
 
 
@@ -38,11 +40,18 @@ def _main(a, comm) -> int:
     mod = load_for(a, comm)
     fn: Any = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
-    inputs = random_inputs(base, comm.Get_size(), a.groups, sizes, a.seed, typical=True)
+    inputs = random_inputs(base, comm.Get_size(), a.groups, sizes, a.seed, typical=True,
+                           values=scalar_values(base, a.value))
     bad = 0
     for sched in a.schedule or [None]:
         bad += _run_one(a, comm, fn, base, inputs, sched)
     return 1 if bad else 0
+
+
+def scalar_values(p, items) -> dict[str, Any]:
+    """--value NAME=NUMBER items as P's scalar arguments (explain --measure checked them)."""
+    kinds = {q.name: q.type.dtype for q in p.params if q.scalar}
+    return {k: int(v) if kinds[k].startswith("i") else float(v) for k, v in (x.split("=", 1) for x in items)}
 
 
 def _run_one(a, comm, fn, base, inputs, sched: str | None) -> bool:

@@ -185,10 +185,12 @@ def dropout_probabilities(p: Program) -> set[str]:
 
 
 def random_inputs(p: Program, ranks: int, groups: int = 1, sizes: Mapping[str, int] | None = None,
-                  seed: int = 0, segments: Sequence[int] | None = None, typical: bool = False) -> list[dict[str, Any]]:
+                  seed: int = 0, segments: Sequence[int] | None = None, typical: bool = False,
+                  values: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One argument mapping per rank, in p's calling convention. Replicated values are equal
     within a group, sliced ones are cut from one global tensor per group. typical: magnitudes
-    for timing (_values)."""
+    for timing (_values). values: scalars given instead of drawn (the others are drawn as
+    without them)."""
     rng = np.random.default_rng(seed)
     sz = {s: (sizes or {}).get(s, DEFAULT_SIZE) for s in size_symbols(p)}
     gs = ranks // groups
@@ -197,6 +199,7 @@ def random_inputs(p: Program, ranks: int, groups: int = 1, sizes: Mapping[str, i
     for q in p.params:
         if q.scalar:
             v = _scalar(q, rng, q.name in probabilities)
+            v = (values or {}).get(q.name, v)
             for r in range(ranks):
                 out[r][q.name] = v
             continue
