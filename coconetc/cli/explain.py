@@ -147,7 +147,7 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     with tempfile.TemporaryDirectory(prefix="coconet_measure_") as folder:
         argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, f"--schedule={schedule}",
                 f"--reps={reps}", "--no-check", *[f"--size={k}={v}" for k, v in given.items()],
-                *[f"--value={k}={v!r}" for k, v in scalars.items()]]
+                *[f"--value={k}={v!r}" for k, v in scalars.items()], *(["--quiet"] if fmt == "json" else [])]
         code = run_python(ranks, argv, env={"COCONET_TRACE": folder})
         if code != 0:
             fail(f"coconetc: explain --measure: the ranks failed (exit code {code})")

@@ -26,6 +26,7 @@ def _args(argv):
     ap.add_argument("--save")
     ap.add_argument("--no-check", action="store_true",
                     help="time the calls without comparing the results with the interpreter (explain --measure)")
+    ap.add_argument("--quiet", action="store_true", help="print nothing (explain --measure --format json)")
     ap.add_argument("--value", action="append", default=[],
                     help="NAME=NUMBER: a scalar parameter's value instead of a random one (explain --measure)")
     return ap.parse_args(argv)
@@ -72,7 +73,7 @@ def _run_one(a, comm, fn, base, inputs, sched: str | None) -> bool:
     times = timed_rounds(comm, {sched: prepare}, max(1, a.reps), seen=seen)[sched]
     t = slowest_median(comm, times)
     if a.no_check:
-        if rank == 0:
+        if rank == 0 and not a.quiet:
             print(f"{a.program} [{sched or 'default'}]: {R} ranks: {t * 1e3:.3f} ms (median of {a.reps}): "
                   "not checked", flush=True)
         return False
