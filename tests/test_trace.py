@@ -98,7 +98,7 @@ def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
     res = CliRunner().invoke(main, ["explain", str(sgd), "-s", "fused", "--measure", "--size", "N=4099", "-n", "2",
                                     "--reps", "3", "--format", "json", "--value", "lr=0.25"])
     assert res.exit_code == 0, res.output
-    m = json.loads(res.output)  # (JSON alone: the ranks print nothing of their own)
+    m = json.loads(res.stdout)  # (JSON alone: the ranks print nothing of their own; the build speaks on stderr)
     plan = load_file(sgd).plans[("sgd", "fused")]
     assert [r["unit"] for r in m["units"]] == [title(u) for u in plan.units]
     assert m["calls"] == 2 and all(r["measured_s"] > 0 for r in m["units"]), m
