@@ -64,8 +64,9 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     forward and backward on one micro-batch (--ranks: a stage's ranks), the timeline, the
     bubble and each rank's peak micro-batches held; --chart PNG draws the timeline."""
     from coconetc.tune import explain as ex
-    if measure or values:
-        return _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps, values, measure)
+    if measure:
+        return _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps, values)
+    _refuse_values(values)
     listing = backend == "cuda" and schedule is not None and schedule != "auto"
     if fmt == "json" and not listing:
         fail("coconetc: explain --format json is the kernel listing: give --backend cuda -s SCHEDULE")
@@ -108,8 +109,7 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
 
 
-def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps, values=(),
-             measure=True) -> None:
+def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt, reps, values=()) -> None:
     """explain --measure: the schedule built and run on RANKS ranks (`coconetc run`'s rank
     program, without comparing its results: `coconetc run` does that), every call traced (COCONET_TRACE,
     docs/tracing.md); each unit's measured time beside the model's (tune/explain.py)."""
@@ -121,8 +121,6 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     from coconetc.runtime.loader import compile_cpu
     from coconetc.toolchain import BuildError
     from coconetc.tune import explain as ex
-    if not measure:
-        fail("coconetc: --value goes with --measure (the values of the measured calls)")
     if backend != "cpu" or emulate or nodes != 1:
         fail("coconetc: explain --measure runs the CPU backend on one node (no --backend cuda, --emulate, --nodes)")
     if schedule is None or schedule == "auto":
@@ -159,9 +157,14 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     click.echo(json.dumps(m, indent=1) if fmt == "json" else ex.units_table(m), nl=fmt == "json")
 
 
+def _refuse_values(values: tuple[str, ...]) -> None:
+    if values:
+        fail("coconetc: --value goes with --measure (the values of the measured calls)")
+
+
 def _values(items: tuple[str, ...], p) -> dict:
     """--value NAME=NUMBER, each a scalar parameter of P and a number of its dtype."""
-    from coconetc.ir.arguments import check_param
+    from coconetc.ir.arguments import scalar_from_text
     scalars = {q.name: q for q in p.params if q.scalar}
     out = {}
     for item in items:
@@ -171,14 +174,8 @@ def _values(items: tuple[str, ...], p) -> dict:
         if name not in scalars:
             fail(f"coconetc: --value {item}: {p.name} has no scalar parameter '{name}' "
                  f"(its scalar parameters: {', '.join(scalars) or 'none'})")
-        dtype = scalars[name].type.dtype
         try:
-            number = int(text) if dtype.startswith("i") else float(text)
-        except ValueError:
-            fail(f"coconetc: --value {item}: '{name}' must be {'an integer' if dtype.startswith('i') else 'a number'} "
-                 f"({dtype}), got {text!r}")
-        try:
-            out[name] = check_param(scalars[name], number)
+            out[name] = scalar_from_text(scalars[name], text)
         except (TypeError, ValueError) as err:
             fail(f"coconetc: --value {item}: {err}")
     return out

@@ -41,6 +41,18 @@ def check_param(q: Param, v: Any, *, updated: bool = False, contiguous: bool = F
     return [a] if q.scattered else a
 
 
+def scalar_from_text(q: Param, text: str) -> int | float:
+    """Scalar parameter Q's value written as text (a command line's NAME=NUMBER), checked as a
+    call's argument is."""
+    whole = q.type.dtype in INT_RANGE
+    try:
+        v = int(text) if whole else float(text)
+    except ValueError:
+        raise TypeError(f"'{q.name}' must be {'an integer' if whole else 'a number'} ({q.type.dtype}), "
+                        f"got {text!r}") from None
+    return _scalar(q, v)
+
+
 def _scalar(q: Param, v: Any) -> int | float:
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
         v = v.item()

@@ -11,6 +11,7 @@ import functools
 import sys
 from typing import Any
 
+from coconetc.ir.arguments import scalar_from_text
 from coconetc.jobs import args
 from coconetc.jobs.abort import stop_job_on_failure
 from coconetc.jobs.modules import load_for
@@ -51,8 +52,8 @@ def _main(a, comm) -> int:
 
 def scalar_values(p, items) -> dict[str, Any]:
     """--value NAME=NUMBER items as P's scalar arguments (explain --measure checked them)."""
-    kinds = {q.name: q.type.dtype for q in p.params if q.scalar}
-    return {k: int(v) if kinds[k].startswith("i") else float(v) for k, v in (x.split("=", 1) for x in items)}
+    scalars = {q.name: q for q in p.params if q.scalar}
+    return {k: scalar_from_text(scalars[k], v) for k, v in (x.split("=", 1) for x in items)}
 
 
 def _run_one(a, comm, fn, base, inputs, sched: str | None) -> bool:
