@@ -462,6 +462,54 @@ def test_torch_in_torch_out(modules):
         assert isinstance(out_np, np.ndarray) and isinstance(h_np, np.ndarray), schedule
 
 
+def test_large_outputs_reuse_memory_only_once_given_back(modules, monkeypatch):
+    """Outputs of 1 MiB or more come from memory an earlier output gave back (host_blocks):
+    a second call's outputs land where the first call's were once those are gone, never while
+    a view of them (a torch tensor included) lives, and each call's values are its own."""
+    torch = pytest.importorskip("torch")
+    from coconetc.oracle.inputs import random_inputs
+    from coconetc.interp.interpreter import run
+    from coconetc.runtime import host_blocks
+    monkeypatch.setitem(host_blocks._state, "limit", 1 << 30)
+    fn = _module(modules, "layernorm.ccn").attn_out
+    ir = fn.schedules["default"]
+    sizes = {"B": 4, "S": 256, "H": 256}  # each output 1 MiB of f32
+    calls = [random_inputs(ir, 1, 1, sizes, seed=s)[0] for s in (7, 8, 9)]
+    wants = [run(ir, [copy.deepcopy(x)])[0].outputs for x in calls]
+    rtol, atol = TOLERANCE["f32"]
+
+    def check(outs, want, what):
+        for got, name in zip(outs, ("out", "h")):
+            np.testing.assert_allclose(np.asarray(got), want[name], rtol=rtol, atol=atol, err_msg=f"{what}: {name}")
+    first = fn(**copy.deepcopy(calls[0]))
+    check(first, wants[0], "first call")
+    where = {a.ctypes.data for a in first}
+    held = torch.from_numpy(first[1][1:])  # a view of h: h's memory is not given back
+    del first
+    second = fn(**copy.deepcopy(calls[1]))
+    check(second, wants[1], "second call")
+    np.testing.assert_allclose(held.numpy(), wants[0]["h"][1:], rtol=rtol, atol=atol, err_msg="the held view of h")
+    now = {a.ctypes.data for a in second}
+    assert len(now & where) == 1, "out's memory, given back, was not reused (or h's, still held, was)"
+    kept = host_blocks.kept_bytes()
+    del second, held
+    assert host_blocks.kept_bytes() - kept >= 3 << 20, "the three outputs' memory was not kept"
+    third = fn(**copy.deepcopy(calls[2]))
+    check(third, wants[2], "third call")
+    assert {a.ctypes.data for a in third} <= where | now
+    monkeypatch.setitem(host_blocks._state, "limit", 0)  # COCONET_HOST_CACHE_MB=0: NumPy's own arrays
+    assert all(a.base is None for a in fn(**copy.deepcopy(calls[0])))
+
+
+@pytest.mark.parametrize("text", ["lots", "-1"])
+def test_host_cache_limit_must_be_a_size(monkeypatch, text):
+    from coconetc.runtime import host_blocks
+    monkeypatch.setenv("COCONET_HOST_CACHE_MB", text)
+    monkeypatch.setitem(host_blocks._state, "limit", -1)
+    with pytest.raises(ValueError, match="COCONET_HOST_CACHE_MB"):
+        host_blocks.empty((1 << 20,), np.float32)
+
+
 def _repeat_sizes(big: dict[str, int]) -> list[dict[str, int]]:
     return [big, {k: max(1, v // 3) for k, v in big.items()}, {k: v + 3 for k, v in big.items()}]
 

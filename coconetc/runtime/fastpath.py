@@ -28,7 +28,7 @@ import numpy as np
 from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Param, Program
 from coconetc.plan.label import ScheduleLabel
-from coconetc.runtime import agree, batch, marshal, shm
+from coconetc.runtime import agree, batch, host_blocks, marshal, shm
 from coconetc.runtime.call import PACK, check_replicated
 from coconetc.runtime.marshal import as_torch, local_shape
 
@@ -399,7 +399,7 @@ def _run(ext: Any, run: Any, args: Any, fast: RecentCall, hot: Hot, vals: list, 
             gs, rank, types = hot.outputs
             shapes = fast.out_shapes = (fast.sizes, tuple((local_shape(t, fast.sizes, gs, rank), dt)
                                                           for t, dt in types))
-        outs = [np.empty(shape, dtype=dt) for shape, dt in shapes[1]]
+        outs = [host_blocks.empty(shape, dt) for shape, dt in shapes[1]]
         if hot.torch_out:  # the tensors' addresses (a tensor's data_ptr: a tenth of ndarray.ctypes.data's time)
             outs = [as_torch(o) for o in outs]
             args.outputs = [o.data_ptr() for o in outs]

@@ -17,6 +17,7 @@ from coconetc.ir.nodes import Program
 from coconetc.ir.slices import slice_range
 from coconetc.ir.storage import STORAGE
 from coconetc.ir.types import eval_dim
+from coconetc.runtime import host_blocks
 
 
 def local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
@@ -37,7 +38,7 @@ def device_ptr(t: Any) -> int:
 
 
 def numpy_empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    return np.empty(shape, dtype=STORAGE[dtype])
+    return host_blocks.empty(shape, STORAGE[dtype])
 
 
 def tensors(args: Any, p: Program, values: dict, segments, ptr: Callable[[Any], int]) -> None:
