@@ -3,7 +3,7 @@ thread, f32: forward + backward at batch B x H heads, S x S scores, head dim 64,
 after one warm-up.
 
   * coconet: bench/attention_cpu.cpp built with a CPU module's flags (-O3 -march=native
-    -fno-math-errno) against the scipy-openblas32 wheel, the forward saving p (or s, or p and a,
+    -fno-math-errno) against the CPU modules' BLAS (MKL on an Intel CPU, else OpenBLAS), the forward saving p (or s, or p and a,
     or s and a as gpt_block's generated code does) for the backward; with and without dropout;
   * torch pieces: q @ k^T * scale, masked_fill(-inf), softmax, @ v, and their backward;
   * torch SDPA: F.scaled_dot_product_attention(is_causal=True);
@@ -27,22 +27,23 @@ ROOT = HERE.parent
 
 
 def build() -> Path:
-    """bench/attention_cpu.cpp compiled into the temp directory."""
-    import scipy_openblas32 as blas
-
+    """bench/attention_cpu.cpp compiled into the temp directory, against the BLAS the CPU modules
+    link here (probes.blas_libraries: MKL on an Intel CPU, else OpenBLAS)."""
     from coconetc.codegen.cpu import CXX_FLAGS
+    from coconetc.toolchain import probes
 
-    lib = sorted(Path(blas.get_lib_dir()).glob("libscipy_openblas*.so*"))[0]
+    libs, macros = probes.blas_libraries()
+    rpaths = sorted({f"-Wl,-rpath,{Path(lib).parent}" for lib in libs if not lib.startswith("-")})
     exe = Path(tempfile.gettempdir()) / "coconet_bench_attention_cpu"
     cmd = [os.environ.get("CXX", "g++"), *CXX_FLAGS, "-std=c++17", "-DCOCONET_NO_MPI",
-           f"-I{ROOT / 'runtime_cpp'}", str(HERE / "attention_cpu.cpp"), str(lib),
-           f"-Wl,-rpath,{lib.parent}", "-o", str(exe)]
+           *(f"-D{m}" for m in macros), f"-I{ROOT / 'runtime_cpp'}", str(HERE / "attention_cpu.cpp"),
+           *libs, *rpaths, "-o", str(exe)]
     subprocess.run(cmd, check=True)
     return exe
 
 
 def ours(exe: Path, drop: float, mode: int, s: int, batch: int) -> str:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     out = subprocess.run([str(exe), str(drop), str(mode), str(s), str(batch)], check=True,
                          capture_output=True, text=True, env=env)
     return out.stdout.strip()

@@ -11,9 +11,10 @@
 // pieces.  Dropout's Philox runs once per kept element per call.  The float softmax's exp is a
 // vectorizable polynomial (attention_exp, within 3 ulp of std::exp).
 //
-// Measured (bench/attention_cpu.py, one thread, batch 64, S = 512, head dim 64, f32): forward +
-// backward 100 ms with p saved, 134 ms with s and a saved as gpt_block's code does (170 ms with
-// dropout 0.1); torch's pieces 467 ms, torch SDPA is_causal 201 ms.
+// Measured (bench/attention_cpu.py, one thread, batch 64, S = 512, head dim 64, f32, MKL, a
+// 2.6 GHz Xeon with AVX-512, two runs): forward + backward 120-134 ms with p saved, 165-181 ms
+// with s and a saved (238-253 ms with dropout 0.1); torch's pieces 537-553 ms, torch SDPA
+// is_causal 190-204 ms.
 //
 // Not done: threads.  A call runs in the calling thread, its tile GEMMs in BLAS's thread pool;
 // with COCONET_THREADS > 1 those small GEMMs would do better one thread per matrix.
@@ -47,7 +48,8 @@ struct AttentionIndex {
 };
 
 // Rows of the scores per block: the tile [rows, N] stays in L2 (32 x 512 floats: 64 KiB). 32
-// measured fastest (bench/attention_cpu.cpp: 16, 48, 64 and 128 were 4 to 15 % slower): the
+// measured fastest (bench/attention_cpu.cpp: 16, 48, 64 and 128 were 4 to 15 % slower with
+// OpenBLAS; with MKL on a Xeon, 16, 64 and 128 were 1 to 12 % slower, two runs each): the
 // smaller the block, the fewer masked columns its GEMMs compute.
 constexpr int64_t kAttentionRows = 32;
 
