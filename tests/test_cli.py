@@ -344,6 +344,21 @@ def test_save_keys_and_values(tmp_path: Path) -> None:
         np.testing.assert_array_equal(z["r0.seg.g"], z["r0.seg.w"])
 
 
+def test_run_value_gives_a_scalar(tmp_path: Path) -> None:
+    """run --value NAME=NUMBER: that scalar on every rank, every other input as drawn without it;
+    a bad one refused before anything runs, as explain --measure's (the same parse)."""
+    path, out = REPO / "examples" / "lamb.ccn", tmp_path / "lamb.npz"
+    res = invoke("run", path, "--ranks", "2", "--interp", "--save", out, "--seed", "7", "--value", "step=3")
+    assert res.exit_code == 0, res.output
+    ref = run_interp(load_file(path), "lamb", None, 2, seed=7)
+    with np.load(out) as z:
+        assert z["r0.in.step"] == z["r1.in.step"] == 3.0 != ref.inputs[0]["step"]
+        np.testing.assert_array_equal(z["r1.in.g"], np.concatenate(ref.inputs[1]["g"]))
+        assert z["r0.in.lr"] == ref.inputs[0]["lr"]
+    res = invoke("run", path, "--interp", "--value", "lr=fast")
+    assert res.exit_code != 0 and "--value lr=fast: 'lr' must be a number (f32), got 'fast'" in res.output, res.output
+
+
 def test_save_scheduled_zero(tmp_path: Path) -> None:
     """After slice(m, v) the sliced state comes in and goes out as this rank's slice."""
     out = tmp_path / "z.npz"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from coconetc.cli.files import fail, load_ccn, no_program, parse_sizes, pick_program
-from coconetc.cli.options import checked_target, records_options
+from coconetc.cli.options import checked_target, records_options, scalar_values, value_args
 
 
 @click.command()
@@ -134,7 +134,7 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     missing = [k for k in need if k not in given]
     if missing:
         fail(f"coconetc: explain --measure runs the program: give every size ({' '.join(f'--size {k}=INT' for k in missing)})")
-    scalars = _values(values, mod.programs[name])
+    scalars = scalar_values(values, mod.programs[name])
     try:
         ex._labels(mod, name, schedule, None)  # an unknown schedule: its error, naming the known ones
         compile_cpu(mod)
@@ -145,7 +145,7 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
     with tempfile.TemporaryDirectory(prefix="coconet_measure_") as folder:
         argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, f"--schedule={schedule}",
                 f"--reps={reps}", "--no-check", *[f"--size={k}={v}" for k, v in given.items()],
-                *[f"--value={k}={v!r}" for k, v in scalars.items()], *(["--quiet"] if fmt == "json" else [])]
+                *value_args(scalars), *(["--quiet"] if fmt == "json" else [])]
         code = run_python(ranks, argv, env={"COCONET_TRACE": folder})
         if code != 0:
             fail(f"coconetc: explain --measure: the ranks failed (exit code {code})")
@@ -160,22 +160,3 @@ def _measure(file, program, schedule, ranks, sizes, nodes, backend, emulate, fmt
 def _refuse_values(values: tuple[str, ...]) -> None:
     if values:
         fail("coconetc: --value goes with --measure (the values of the measured calls)")
-
-
-def _values(items: tuple[str, ...], p) -> dict:
-    """--value NAME=NUMBER, each a scalar parameter of P and a number of its dtype."""
-    from coconetc.ir.arguments import scalar_from_text
-    scalars = {q.name: q for q in p.params if q.scalar}
-    out = {}
-    for item in items:
-        name, eq, text = item.partition("=")
-        if not eq or not name.isidentifier():
-            fail(f"coconetc: --value takes NAME=NUMBER, got {item!r}")
-        if name not in scalars:
-            fail(f"coconetc: --value {item}: {p.name} has no scalar parameter '{name}' "
-                 f"(its scalar parameters: {', '.join(scalars) or 'none'})")
-        try:
-            out[name] = scalar_from_text(scalars[name], text)
-        except (TypeError, ValueError) as err:
-            fail(f"coconetc: --value {item}: {err}")
-    return out

@@ -71,3 +71,28 @@ def launch_ranks(ranks: int, argv: list[str], **hosts) -> NoReturn:
     except (RuntimeError, OSError) as err:
         fail(f"coconetc: could not start {ranks} ranks: {err}")
     sys.exit(code)
+
+
+def scalar_values(items: tuple[str, ...], p) -> dict:
+    """--value NAME=NUMBER (run, explain --measure), each a scalar parameter of P and a number of
+    its dtype; the name and the number checked here, before anything builds."""
+    from coconetc.ir.arguments import scalar_from_text
+    scalars = {q.name: q for q in p.params if q.scalar}
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq or not name.isidentifier():
+            fail(f"coconetc: --value takes NAME=NUMBER, got {item!r}")
+        if name not in scalars:
+            fail(f"coconetc: --value {item}: {p.name} has no scalar parameter '{name}' "
+                 f"(its scalar parameters: {', '.join(scalars) or 'none'})")
+        try:
+            out[name] = scalar_from_text(scalars[name], text)
+        except (TypeError, ValueError) as err:
+            fail(f"coconetc: --value {item}: {err}")
+    return out
+
+
+def value_args(values: dict) -> list[str]:
+    """The ranks' worker's arguments for the values (coconetc.jobs.run --value)."""
+    return [f"--value={k}={v!r}" for k, v in values.items()]

@@ -12,7 +12,7 @@ import numpy as np
 
 from coconetc.cli.files import (DEBUG, base_name, check_sizes, fail, load_ccn, parse_label, parse_sizes, pick_program,
                                 with_grad)
-from coconetc.cli.options import gpu_here, launch_ranks, lib_kwargs, lib_options
+from coconetc.cli.options import gpu_here, launch_ranks, lib_kwargs, lib_options, scalar_values, value_args
 from coconetc.errors import CompileError
 from coconetc.plan.label import DEFAULT
 from coconetc.plan.targets import Target
@@ -53,6 +53,8 @@ def _save_path(save: str, schedule: str | None, several: bool) -> str:
 @click.option("--size", "sizes", multiple=True, metavar="NAME=INT", help="A size symbol, e.g. N=4096.")
 @click.option("--groups", "-g", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--value", "values", multiple=True, metavar="NAME=NUMBER",
+              help="A scalar parameter's value instead of a random one (e.g. a dropout probability of 0).")
 @click.option("--save", type=click.Path(), help="Write every rank's inputs and results (.npz).")
 @click.option("--interp", is_flag=True, help="Run on the reference interpreter (simulated ranks).")
 @click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
@@ -64,8 +66,8 @@ def _save_path(save: str, schedule: str | None, several: bool) -> str:
 @click.option("--grad", is_flag=True, help="Run the program's derived (vector-Jacobian) program "
               "(docs/autodiff.md); -s names a `schedule s for grad(p)` of the file.")
 @lib_options
-def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backend, emulate, grad, include_dirs,
-        library_dirs, libraries) -> None:
+def run(file, ranks, program, schedule, sizes, groups, seed, values, save, interp, backend, emulate, grad,
+        include_dirs, library_dirs, libraries) -> None:
     """Run a program (and check a schedule against it) on random inputs.
 
     Compiled (the default): builds the module, launches R ranks with mpiexec, compares every
@@ -87,6 +89,7 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     sz = parse_sizes(sizes, size_symbols(mod.programs[name]))
     from coconetc.oracle.inputs import DEFAULT_SIZE
     check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
+    scalars = scalar_values(values, mod.programs[name])
     parsed = mod  # the file as read (what the ranks load), before any tuned schedule is added
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
     # the records of the target the schedules run on (`coconetc tune --backend cuda [--emulate]`
@@ -101,11 +104,11 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     if not interp:  # (each exits)
         libs = lib_kwargs(include_dirs, library_dirs, libraries)
         _RUNS[target](parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz,
-                      seed, save, target, libs, grad_of)
+                      seed, save, target, libs, grad_of, scalars)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
-        bad |= _run_one(mod, name, s, ranks, groups, sz, seed, path)
+        bad |= _run_one(mod, name, s, ranks, groups, sz, seed, path, scalars)
     sys.exit(1 if bad else 0)
 
 
@@ -142,7 +145,7 @@ def _auto(mod: SourceFile, name: str, label: str | None) -> bool:
 
 
 def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
-              target: str, libs: dict, grad_of: list[str]) -> None:
+              target: str, libs: dict, grad_of: list[str], values: dict) -> None:
     """run --backend cuda [--emulate]: build the CUDA module (for the host emulation, or with
     nvcc for the GPUs) here, from the file as read (PARSED, what the ranks load), then the
     worker on R ranks; what the CUDA backend does not implement is named and left out."""
@@ -172,7 +175,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
         sys.exit(0)
     argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), "--emulate-cuda" if emulate else "--cuda",
-            *[f"--size={k}={v}" for k, v in sizes.items()]]
+            *[f"--size={k}={v}" for k, v in sizes.items()], *value_args(values)]
     argv += [f"--schedule={s or 'default'}" for s in keep] + [f"--grad-of={g}" for g in grad_of]
     if save:
         argv += ["--save", save]
@@ -180,7 +183,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
 
 
 def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
-                  target: str, libs: dict, grad_of: list[str]) -> None:
+                  target: str, libs: dict, grad_of: list[str], values: dict) -> None:
     """Build in this process (progress on stderr) the module the ranks load (the file as read,
     PARSED, with its tuned schedules), then run the worker on R ranks."""
     from coconetc.runtime.loader import compile_cpu
@@ -190,7 +193,7 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
     except (BuildError, CompileError) as err:
         fail(str(err))
     argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, "--groups", str(groups),
-            "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
+            "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()], *value_args(values)]
     argv += [f"--{flag}={v}" for flag, key in (("include-dir", "include_dirs"), ("library-dir", "library_dirs"),
                                              ("library", "libraries")) for v in libs[key]]
     argv += [f"--schedule={s or DEFAULT}" for s in names if not _auto(mod, name, s)]
@@ -203,14 +206,14 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
 _RUNS: dict[str, Any] = {Target.CPU: _run_compiled, Target.CUDA: _run_cuda, Target.EMULATED: _run_cuda}  # by target
 
 
-def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
+def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save, values: dict) -> bool:
     from coconetc.oracle.inputs import DEFAULT_SIZE, size_symbols
     from coconetc.oracle.interpreted import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
         click.echo(f"{name} [auto]: skipped (the autotuner chooses: coconetc tune, then show -s auto)")
         return False
     try:
-        rep = run_interp(mod, name, schedule, ranks, groups, sizes, seed)
+        rep = run_interp(mod, name, schedule, ranks, groups, sizes, seed, values)
     except (KeyError, ValueError, TypeError, MemoryError) as err:
         if DEBUG["on"]:
             traceback.print_exc()

@@ -29,7 +29,7 @@ def _args(argv):
                     help="time the calls without comparing the results with the interpreter (explain --measure)")
     ap.add_argument("--quiet", action="store_true", help="print nothing (explain --measure --format json)")
     ap.add_argument("--value", action="append", default=[],
-                    help="NAME=NUMBER: a scalar parameter's value instead of a random one (explain --measure)")
+                    help="NAME=NUMBER: a scalar parameter's value instead of a random one (run, explain --measure)")
     return ap.parse_args(argv)
 
 
@@ -51,7 +51,7 @@ def _main(a, comm) -> int:
 
 
 def scalar_values(p, items) -> dict[str, Any]:
-    """--value NAME=NUMBER items as P's scalar arguments (explain --measure checked them)."""
+    """--value NAME=NUMBER items as P's scalar arguments (run and explain --measure checked them)."""
     scalars = {q.name: q for q in p.params if q.scalar}
     return {k: scalar_from_text(scalars[k], v) for k, v in (x.split("=", 1) for x in items)}
 

@@ -27,9 +27,12 @@ class Report:
 
 
 def run_interp(mod: SourceFile, program: str, schedule: str | None, ranks: int, groups: int = 1,
-               sizes: Mapping[str, int] | None = None, seed: int = 0) -> Report:
+               sizes: Mapping[str, int] | None = None, seed: int = 0,
+               values: Mapping[str, Any] | None = None) -> Report:
+    """PROGRAM and SCHEDULE run by the interpreter on random inputs (VALUES: scalars given
+    instead of drawn), the schedule's results compared with the program's."""
     base = mod.programs[program]
-    inputs = random_inputs(base, ranks, groups, sizes, seed)
+    inputs = random_inputs(base, ranks, groups, sizes, seed, values=values)
     t0 = time.perf_counter()
     ref = run(base, inputs, groups)
     seconds = time.perf_counter() - t0
