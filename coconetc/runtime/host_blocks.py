@@ -12,12 +12,14 @@ memory speed.
 A block goes back when the last array viewing it dies (its base is a _Lent whose __del__
 returns the block; the return is an append, safe from any thread and at any point of a take).
 At most COCONET_HOST_CACHE_MB megabytes of free blocks are kept (default: an eighth of the
-machine's memory; 0 turns the cache off): past it, the least recently freed go back to the
-system. Memory in use is never held back: the cache holds only outputs already freed."""
+machine's memory shared among the job's ranks on it; 0 turns the cache off): past it, the least
+recently freed go back to the system. Memory in use is never held back: the cache holds only
+outputs already freed. Takes are serialized by a lock (threads may call at once)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -29,6 +31,9 @@ _returned: list[np.ndarray] = []  # blocks whose outputs died since the last tak
 _free: dict[int, list[np.ndarray]] = {}  # size -> free blocks of that size (the last freed last)
 _lru: OrderedDict[int, int] = OrderedDict()  # id(free block) -> its size, the least recently freed first
 _state = {"free_bytes": 0, "limit": -1}
+_lock = threading.Lock()
+# the launchers' count of this job's ranks on this machine (Open MPI, MPICH/Hydra, PMI)
+_LOCAL_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
 
 
 def limit() -> int:
@@ -44,7 +49,8 @@ def limit() -> int:
                 raise ValueError(f"COCONET_HOST_CACHE_MB must be 0 (no cache) or more, got {text!r}")
             _state["limit"] = int(mb * (1 << 20))
         else:
-            _state["limit"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+            local = next((int(v) for v in map(os.environ.get, _LOCAL_RANKS) if v and v.isdigit() and int(v) > 0), 1)
+            _state["limit"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (8 * local)
     return _state["limit"]
 
 
@@ -84,15 +90,16 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
     if nbytes < MIN_BYTES or limit() == 0:
         return np.empty(shape, dtype)
-    if _returned or _state["free_bytes"] > _state["limit"]:
-        _file_returned()
     size = nbytes + _ALIGN
-    blocks = _free.get(size)
-    if blocks:
-        block = blocks.pop()
-        del _lru[id(block)]
-        _state["free_bytes"] -= size
-    else:
+    with _lock:
+        if _returned or _state["free_bytes"] > _state["limit"]:
+            _file_returned()
+        blocks = _free.get(size)
+        block = blocks.pop() if blocks else None
+        if block is not None:
+            del _lru[id(block)]
+            _state["free_bytes"] -= size
+    if block is None:
         block = np.empty(size, np.uint8)
     # (bytes viewed as the dtype: an __array_interface__ cannot name ml_dtypes' bfloat16)
     return np.asarray(_Lent(block, nbytes)).view(dtype).reshape(shape)
