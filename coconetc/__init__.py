@@ -17,7 +17,8 @@ _hooks.quiet_osc_ucx()
 # A process that starts MPI alone keeps its shared-memory segment in a directory of its own,
 # removed at exit (coconetc/runtime/hooks.py, SEGMENTS).
 _hooks.own_segments()
-__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load", "trace"]
+__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "empty_cache", "load",
+           "trace"]
 
 
 def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None, grad=()):
@@ -54,6 +55,15 @@ def empty(shape, dtype="f32", *, comm=None, framework="numpy"):
     buffer in place instead of copying it (coconetc/runtime/shm.py). Collective over COMM."""
     from coconetc.runtime.shm import empty as _empty
     return _empty(shape, dtype, comm=comm, framework=framework)
+
+
+def empty_cache():
+    """Give the host memory kept from dead outputs of CPU calls back to the system (as
+    torch.cuda.empty_cache() does PyTorch's cached device memory); returns the bytes released.
+    Outputs still alive are untouched and return their memory to the cache when they die
+    (docs/cpu_backend.md, "Kept output memory")."""
+    from coconetc.runtime.host_blocks import release
+    return release()
 
 
 def trace(folder="coconet_trace", max_events=None):

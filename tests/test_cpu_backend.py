@@ -497,6 +497,11 @@ def test_large_outputs_reuse_memory_only_once_given_back(modules, monkeypatch):
     third = fn(**copy.deepcopy(calls[2]))
     check(third, wants[2], "third call")
     assert {a.ctypes.data for a in third} <= where | now
+    import coconetc
+    kept = host_blocks.kept_bytes()
+    assert coconetc.empty_cache() == kept >= 1 << 20 and host_blocks.kept_bytes() == 0  # third's are alive
+    del third
+    assert host_blocks.kept_bytes() >= 2 << 20  # and given back when they die
     monkeypatch.setitem(host_blocks._state, "limit", 0)  # COCONET_HOST_CACHE_MB=0: NumPy's own arrays
     assert all(a.base is None for a in fn(**copy.deepcopy(calls[0])))
 

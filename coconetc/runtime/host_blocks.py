@@ -108,3 +108,14 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def kept_bytes() -> int:
     """The bytes of free blocks kept now (those returned since the last take included)."""
     return _state["free_bytes"] + sum(b.nbytes for b in _returned)
+
+
+def release() -> int:
+    """Every kept free block given back to the system (coconetc.empty_cache); the bytes released."""
+    with _lock:
+        _file_returned()
+        freed = _state["free_bytes"]
+        _free.clear()
+        _lru.clear()
+        _state["free_bytes"] = 0
+    return freed
