@@ -18,6 +18,7 @@ outputs already freed. Takes are serialized by a lock (threads may call at once)
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -60,8 +61,8 @@ class _Lent:
 
     def __init__(self, block: np.ndarray, nbytes: int):
         self.block = block
-        start = -block.ctypes.data % _ALIGN
-        self.__array_interface__ = {"data": (block.ctypes.data + start, False), "shape": (nbytes,),
+        at = block.ctypes.data
+        self.__array_interface__ = {"data": (at + -at % _ALIGN, False), "shape": (nbytes,),
                                     "typestr": "|u1", "version": 3}
 
     def __del__(self) -> None:
@@ -87,7 +88,7 @@ def _file_returned() -> None:
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized array of this shape and dtype: from a kept block when it is large."""
     dtype = np.dtype(dtype)
-    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    nbytes = dtype.itemsize * math.prod(shape)  # (not np.prod: 3 us, on every call's hot path)
     if nbytes < MIN_BYTES or limit() == 0:
         return np.empty(shape, dtype)
     size = nbytes + _ALIGN
