@@ -2,7 +2,8 @@
 // and runs it): forward + backward at batch B, M = N = S, D = E = 64, f32, one thread, median of
 // 5 after one warm-up.  Arguments: drop_p, mode (0: the forward writes p and the backward reads
 // it; 1: s instead, so q k^T is computed whole and the backward recomputes p; 2: p and a; 3: s and a, as gpt_block's
-// generated code), S, B.
+// generated code; 4: p, the backward reading it as a backward program's input does, every entry of
+// it and A = p, as a GPT block's backward program does), S, B.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,8 +23,9 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
   std::vector<float> q(B * M * D), k(B * N * D), v(B * N * E), g(B * M * E), o(B * M * E), dq(q.size()), dk(k.size()), dv(v.size());
-  std::vector<float> sp(B * M * N), a(mode >= 2 ? B * M * N : 0);
-  float* ap = mode >= 2 ? a.data() : nullptr;
+  std::vector<float> sp(B * M * N), a(mode == 2 || mode == 3 ? B * M * N : 0);
+  const bool program = mode == 4;  // the saved p read whole, and as A
+  float* ap = program ? sp.data() : a.empty() ? nullptr : a.data();
   const bool with_s = mode == 1 || mode == 3;
   for (auto* x : {&q, &k, &v, &g}) for (auto& e : *x) e = u(rng);
   const AttentionIndex at{1, 1, 0, 1};
@@ -31,15 +33,16 @@ int main(int argc, char** argv) {
   std::vector<double> tf, tb, tt;
   for (int rep = 0; rep < 6; ++rep) {
     auto t0 = clk::now();
-    attention_fwd<float>(q.data(), k.data(), v.data(), o.data(), with_s ? sp.data() : nullptr, nullptr, with_s ? nullptr : sp.data(), ap,
+    attention_fwd<float>(q.data(), k.data(), v.data(), o.data(), with_s ? sp.data() : nullptr, nullptr, with_s ? nullptr : sp.data(),
+                         program ? nullptr : ap,
                          B, M, N, D, E, 0, scale, drop, 7, 99, at);
     auto t1 = clk::now();
     attention_bwd<float>(q.data(), k.data(), v.data(), with_s ? sp.data() : nullptr, with_s ? nullptr : sp.data(), ap, g.data(),
-                         dq.data(), dk.data(), dv.data(), B, M, N, D, E, 0, scale, drop, 7, 99, at);
+                         dq.data(), dk.data(), dv.data(), B, M, N, D, E, 0, scale, drop, 7, 99, at, program, program);
     auto t2 = clk::now();
     if (rep == 0) continue;  // warm-up
     tf.push_back(ms(t0, t1)); tb.push_back(ms(t1, t2)); tt.push_back(ms(t0, t2));
   }
   auto med = [](std::vector<double> x) { std::sort(x.begin(), x.end()); return x[x.size() / 2]; };
-  std::printf("drop %.2f saved %s: fwd %.1f ms  bwd %.1f ms  total %.1f ms (median of 5)\n", drop, mode == 1 ? "s" : mode == 2 ? "p,a" : mode == 3 ? "s,a" : "p", med(tf), med(tb), med(tt));
+  std::printf("drop %.2f saved %s: fwd %.1f ms  bwd %.1f ms  total %.1f ms (median of 5)\n", drop, mode == 1 ? "s" : mode == 2 ? "p,a" : mode == 3 ? "s,a" : mode == 4 ? "p (read whole)" : "p", med(tf), med(tb), med(tt));
 }

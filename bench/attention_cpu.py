@@ -4,7 +4,8 @@ after one warm-up.
 
   * coconet: bench/attention_cpu.cpp built with a CPU module's flags (-O3 -march=native
     -fno-math-errno) against the CPU modules' BLAS (MKL on an Intel CPU, else OpenBLAS), the forward saving p (or s, or p and a,
-    or s and a as gpt_block's generated code does) for the backward; with and without dropout;
+    or s and a) for the backward, or saving p for a backward that reads it as a backward program's
+    input (every entry of it, and A = p: a GPT block's backward program); with and without dropout;
   * torch pieces: q @ k^T * scale, masked_fill(-inf), softmax, @ v, and their backward;
   * torch SDPA: F.scaled_dot_product_attention(is_causal=True);
   * torch's six full GEMMs of forward + backward alone (q k^T, p v, g v^T, dS k, dS^T q, p^T g),
@@ -100,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     exe = build()
     print(f"batch {args.b} x {args.heads} heads, S = {args.s}, head dim 64, f32, one thread")
-    for drop, mode in ((0.0, 0), (0.0, 1), (0.0, 2), (0.0, 3), (0.1, 0), (0.1, 2), (0.1, 3)):
+    for drop, mode in ((0.0, 0), (0.0, 4), (0.0, 1), (0.0, 2), (0.0, 3), (0.1, 0), (0.1, 2), (0.1, 3)):
         print("coconet fused", ours(exe, drop, mode, args.s, args.b * args.heads))
     for name, ms in torch_rows(args.b, args.heads, args.s):
         print(f"{name}: {ms:.1f} ms (median of 5)")

@@ -12,9 +12,9 @@
 // vectorizable polynomial (attention_exp, within 3 ulp of std::exp).
 //
 // Measured (bench/attention_cpu.py, one thread, batch 64, S = 512, head dim 64, f32, MKL, a
-// 2.6 GHz Xeon with AVX-512, two runs): forward + backward 120-134 ms with p saved, 165-181 ms
-// with s and a saved (238-253 ms with dropout 0.1); torch's pieces 537-553 ms, torch SDPA
-// is_causal 190-204 ms.
+// 2.6 GHz Xeon with AVX-512, one run): forward + backward 98 ms with p saved (95 with p read as a
+// backward program reads it), 130 ms with s and a saved (196 ms with dropout 0.1); torch's
+// pieces 427 ms, torch SDPA is_causal 154 ms.
 //
 // Not done: threads.  A call runs in the calling thread, its tile GEMMs in BLAS's thread pool;
 // with COCONET_THREADS > 1 those small GEMMs would do better one thread per matrix.
@@ -98,15 +98,23 @@ inline int64_t attention_kept(int64_t i, int64_t N, int64_t diagonal) {
   return std::max<int64_t>(0, std::min<int64_t>(N, i + diagonal + 1));
 }
 
-// Whether any masked entry of rows [i0, i1) of a [.., N] matrix (x: its row i0) is other than 0.
+// Whether any masked entry of rows [i0, i1) of a [.., N] matrix (x: its row i0) is other than 0
+// (-0 is 0; a NaN is not): the bits of every masked entry but the sign ORed together, a loop the
+// compiler vectorizes.
 template <class T>
 bool attention_masked_nonzero(const T* x, int64_t i0, int64_t i1, int64_t N, int64_t diagonal) {
-  bool any = false;
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "attention_masked_nonzero: a 4- or 8-byte T");
+  using U = typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type;
+  U any = 0;
   for (int64_t i = i0; i < i1; ++i) {
     const T* row = x + (i - i0) * N;
-    for (int64_t j = attention_kept(i, N, diagonal); j < N; ++j) any |= !(row[j] == T(0));
+    for (int64_t j = attention_kept(i, N, diagonal); j < N; ++j) {
+      U u;
+      std::memcpy(&u, row + j, sizeof u);
+      any |= u;
+    }
   }
-  return any;
+  return (any & ~(U(1) << (8 * sizeof(U) - 1))) != 0;
 }
 
 // A per-thread buffer of at least n elements of T, kept across calls (Site: which buffer).
@@ -267,6 +275,7 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
   const int64_t rows_max = std::min(M, kAttentionRows);
   T* tile = detail::attention_scratch<T, 0>(rows_max * std::max<int64_t>(N, 1));
   unsigned char* keep = detail::attention_scratch<unsigned char, 1>(std::max<int64_t>(N, 1));
+  const bool in_p = p_out && !s_out && !drop;
   for (int64_t b = 0; b < batch; ++b) {
     const T* qb = q + b * M * D;
     const T* kb = k + b * N * D;
@@ -276,10 +285,14 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
     for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
       const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
       const int64_t need = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));  // columns the block keeps
-      const int64_t c = s_out ? N : need;  // columns computed; the tile's leading dim
-      if (c > 0) gemm_trans(false, true, rows, c, D, qb + i0 * D, D, kb, D, tile, c);
+      const int64_t c = s_out ? N : need;  // columns computed
+      // p_out's rows are the tile itself when the GEMM with v reads P (no dropout, s not wanted):
+      // no copy of it
+      T* tl = in_p ? p_out + (b * M + i0) * N : tile;
+      const int64_t ld = in_p ? N : c;  // the tile's leading dim
+      if (c > 0) gemm_trans(false, true, rows, c, D, qb + i0 * D, D, kb, D, tl, ld);
       for (int64_t i = i0; i < i1; ++i) {
-        T* t = tile + (i - i0) * c;
+        T* t = tl + (i - i0) * ld;
         const int64_t kc = detail::attention_kept(i, N, diagonal);
         const int64_t row = (b * M + i) * N;
         for (int64_t j = 0; j < c; ++j) t[j] *= sc;
@@ -289,8 +302,8 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
           std::fill(w_out + row + kc, w_out + row + N, -inf);
         }
         detail::attention_softmax(t, kc);
-        for (int64_t j = kc; j < c; ++j) t[j] = T(0);  // the masked columns the GEMM with v reads
-        if (p_out) {
+        std::fill(t + kc, t + (in_p ? N : c), T(0));  // the masked columns the GEMM with v reads (and p_out's)
+        if (p_out && !in_p) {
           std::copy(t, t + kc, p_out + row);
           std::fill(p_out + row + kc, p_out + row + N, T(0));
         }
@@ -304,7 +317,7 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
         }
       }
       if (need > 0)
-        gemm(rows, E, need, tile, c, vb, E, ob + i0 * E, E);
+        gemm(rows, E, need, tl, ld, vb, E, ob + i0 * E, E);
       else
         std::fill(ob + i0 * E, ob + i1 * E, T(0));
     }
@@ -361,29 +374,37 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
     T* dkb = dk + b * N * D;
     T* dvb = dv + b * N * E;
     const uint64_t base = drop ? detail::attention_base(b, M, N, at) : 0;
+    // p_whole / a_whole ask only for a check: a matrix whose p_in (a_in) holds 0 at every masked
+    // entry, as the forward writes it, is read at its kept entries alone (one vectorized pass over
+    // its masked entries; dv then over kept columns only)
+    const bool p_clean = !(p_in && p_whole) || !detail::attention_masked_nonzero(p_in + b * M * N, 0, M, N, diagonal);
+    const bool a_clean = !(a_in && a_whole) ||
+                         (a_in == p_in ? p_clean : !detail::attention_masked_nonzero(a_in + b * M * N, 0, M, N, diagonal));
     for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
       const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
       const int64_t kept = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));
-      const bool whole = p_in && p_whole && detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal);
+      const bool whole = !p_clean && detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal);
       if (kept == 0 && !whole) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a
         std::fill(dqb + i0 * D, dqb + i1 * D, T(0));  // whole a_in; a whole p_in's rows go the way below:
-        if (a_in && a_whole)                          // dS 0, A = dropout(P) at every entry)
+        if (a_in && !a_clean)                         // dS 0, A = dropout(P) at every entry)
           gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
         continue;
       }
       const int64_t c = whole ? N : kept;  // columns of dA computed; the tiles' leading dim
+      // A's block, read in place where it is stored (a_in's, or p_in's when A is P: their masked
+      // entries in a block that is not whole are 0), else made in pt from P
+      const T* ab = a_in ? a_in + (b * M + i0) * N : (p_in && !drop) ? p_in + (b * M + i0) * N : pt;
       gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
       for (int64_t i = i0; i < i1; ++i) {
-        T* p = pt + (i - i0) * c;
+        T* pr = pt + (i - i0) * c;
         T* d = dt + (i - i0) * c;
         const int64_t kc = detail::attention_kept(i, N, diagonal);
         const int64_t kr = whole ? N : kc;  // the entries r reads
         const int64_t row = (b * M + i) * N;
-        if (p_in) {
-          std::copy(p_in + row, p_in + row + kr, p);
-        } else {
-          std::copy(s_in + row, s_in + row + kc, p);
-          detail::attention_softmax(p, kc);
+        const T* p = p_in ? p_in + row : pr;
+        if (!p_in) {
+          std::copy(s_in + row, s_in + row + kc, pr);
+          detail::attention_softmax(pr, kc);
         }
         if (drop) {
           detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kr, keep);
@@ -392,23 +413,18 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         const T r = detail::attention_row_dot<T>(d, p, kr);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
         std::fill(d + kc, d + c, T(0));
-        if (a_in && a_whole)
-          continue;  // dv from every entry of a_in's rows, below
-        if (a_in) {
-          std::copy(a_in + row, a_in + row + kc, p);
-          std::fill(p + kc, p + c, T(0));
-        } else {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
-          if (drop)
-            detail::attention_apply_keep(p, keep, kr, keep_scale);
-          std::fill(p + kr, p + c, T(0));
+        if (ab == pt) {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
+          if (p_in) std::copy(p, p + kr, pr);
+          if (drop) detail::attention_apply_keep(pr, keep, kr, keep_scale);
+          std::fill(pr + kr, pr + c, T(0));
         }
       }
       gemm(rows, D, c, dt, c, kb, D, dqb + i0 * D, D);                            // dq = dS k
       gemm_trans_acc(true, false, c, D, rows, dt, c, qb + i0 * D, D, dkb, D);     // dk += dS^T q
-      if (a_in && a_whole)  // dv += a^T g over every column: a_in's masked entries may be nonzero
+      if (a_in && !a_clean)  // dv += a^T g over every column: a_in's masked entries may be nonzero
         gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
       else
-        gemm_trans_acc(true, false, c, E, rows, pt, c, gb + i0 * E, E, dvb, E);   // dv += A^T g
+        gemm_trans_acc(true, false, c, E, rows, ab, ab == pt ? c : N, gb + i0 * E, E, dvb, E);  // dv += A^T g
     }
   }
 }
