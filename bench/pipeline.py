@@ -28,9 +28,11 @@ Per (P, M, order):
     steps;
   * predicted bubble: orders.simulate(order, Costs(...)) with costs the median F, B, W action
     times of coconet's own events (one cost per kind for every stage: the first stage's
-    embeddings and the last stage's head and loss are averaged in; transfers cost 0); and
-    "pred/st", the same simulation with each rank's own median F, B, W (the stages' imbalance
-    in); and, in the lines after the table, each step replayed: the simulation with every
+    embeddings and the last stage's head and loss are averaged in; transfers cost 0; each
+    rank's first action of a step longer by the median over steps and ranks of that action's
+    time over its kind's median on its rank: Costs.first, the step's warm-up); and "pred/st",
+    the same simulation with each rank's own median F, B, W (the stages' imbalance in); and,
+    in the lines after the table, each step replayed: the simulation with every
     action's own measured work (what is left between it and the measured bubble is waiting no
     action's time explains: messages, the cores' sharing; what is between it and "pred/st",
     the actions' spread around their medians, such as a step's first micro-batch, whose
@@ -498,9 +500,6 @@ class Case:
         med = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
         res["costs_s"] = med
         o = self.pipe.order  # (as the last timed step ran it)
-        sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
-                                              weight_grad=med["W"]))
-        res["bubble_predicted"] = sim.bubble()
         per: dict[tuple[int, int, str], list[float]] = {}
         for evs in events:
             for r, rank_evs in enumerate(evs):
@@ -508,11 +507,21 @@ class Case:
                     per.setdefault((r, e[2], e[0]), []).append(e[5])
         per_med = {k: statistics.median(v) for k, v in per.items()}
         res["costs_per_rank_s"] = [[r, c, k, t] for (r, c, k), t in sorted(per_med.items())]  # rank, chunk, kind
+        # a step's warm-up: each rank's first action of each step over the median of its kind on
+        # its rank (the cost model's `first`)
+        firsts = [e[5] - per_med[(r, e[2], e[0])] for evs in events for r, rank_evs in enumerate(evs)
+                  for e in rank_evs[:1]]
+        warm = max(0.0, statistics.median(firsts)) if firsts else 0.0
+        res["first_action_extra_s"] = warm
+        sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
+                                              weight_grad=med["W"], first=warm))
+        res["bubble_predicted"] = sim.bubble()
         stage_costs = []  # each virtual stage's median F, B, W on its rank
         for st in range(o.stages):
             r, c = o.place(st)
             t = {k: per_med.get((r, c, k), 0.0) for k in "FBW"}
-            stage_costs.append(orders.Costs(forward=t["F"], backward=t["B"], input_grad=t["B"], weight_grad=t["W"]))
+            stage_costs.append(orders.Costs(forward=t["F"], backward=t["B"], input_grad=t["B"], weight_grad=t["W"],
+                                            first=warm))
         res["bubble_predicted_per_stage"] = orders.simulate(o, stage_costs).bubble()
         # each step replayed: the order's dependencies with each action's own work (what is left
         # between this and the measured bubble: waiting that no action's time explains)

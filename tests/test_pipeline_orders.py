@@ -359,3 +359,8 @@ def test_simulate_takes_each_stages_costs() -> None:
     t = simulate(o, c, times={(1, Action("B", 0)): 6})
     assert t.makespan == 19 and [(x.start, x.end) for x in t.slots if x.rank == 0][2:] == \
         [(8, 10), (10, 11), (11, 13), (13, 14), (14, 16), (17, 19)]
+    # a step's warm-up: each rank's first action 0.5 longer (GPipe, 2 ranks, 1 micro-batch: rank
+    # 0's F0 0-1.5, rank 1's F0 1.5-3 and B0 3-5, rank 0's B0 5-7; each rank busy 3.5 of 7)
+    w = simulate(make("gpipe", 2, 1), Costs(1, 2, 1, 1, 0, first=0.5))
+    assert [(x.rank, x.start, x.end) for x in w.slots] == [(0, 0, 1.5), (0, 5, 7), (1, 1.5, 3), (1, 3, 5)]
+    assert w.bubble() == 0.5

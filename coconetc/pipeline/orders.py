@@ -392,13 +392,15 @@ def _check_action(order: Order, rank: int, a: Action, kinds: tuple[str, ...], wh
 
 @dataclass(frozen=True)
 class Costs:
-    """Time of one action of one virtual stage, and the latency of a transfer between ranks."""
+    """Time of one action of one virtual stage, the latency of a transfer between ranks, and the
+    extra time of a rank's first action of a step."""
 
     forward: float = 1.0
     backward: float = 2.0  # the whole backward (B + W), when the order does not split it
     input_grad: float = 1.0  # B, when split
     weight_grad: float = 1.0  # W, when split
     transfer: float = 0.0  # added to every dependency between two ranks
+    first: float = 0.0  # added to each rank's first action of a step (its warm-up: caches cold after the step before)
 
     def of(self, kind: str, split_backward: bool) -> float:
         if kind == "F":
@@ -494,7 +496,9 @@ def _run(order: Order, costs: Costs | Sequence[Costs], times: Mapping[tuple[int,
                 start = max([free[rank]] + [ends[n] + (c.transfer if owner[n] != rank else 0)
                                             for n in needs])
                 t = times.get((rank, a))
-                end = start + (c.of(a.kind, order.split_backward) if t is None else t)
+                if t is None:
+                    t = c.of(a.kind, order.split_backward) + (c.first if nxt[rank] == 0 else 0.0)
+                end = start + t
                 ends[key] = free[rank] = end
                 slots.append(Slot(rank, a, key[0], start, end))
                 nxt[rank] += 1
