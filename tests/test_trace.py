@@ -115,10 +115,10 @@ def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
     res = CliRunner().invoke(main, ["explain", str(sgd), "--value", "lr=0.25"])
     assert res.exit_code != 0 and "--value goes with --measure" in res.output, res.output
     # what the ranks do with a --value: the scalar as given, every other input as drawn without it
-    from coconetc.jobs.run import scalar_values
+    from coconetc.jobs.run import given_values
     from coconetc.oracle.inputs import random_inputs
     p = load_file(REPO / "examples" / "residual_dropout.ccn").programs["f1"]
-    given = scalar_values(p, ["seed=3"])
+    given = given_values(p, ["seed=3"])
     assert given == {"seed": 3} and type(given["seed"]) is int
     drawn, fixed = (random_inputs(p, 2, sizes={"B": 2, "S": 3, "H": 4}, seed=1, typical=True, values=v)
                     for v in (None, given))

@@ -43,15 +43,16 @@ def _main(a, comm) -> int:
     fn: Any = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
     inputs = random_inputs(base, comm.Get_size(), a.groups, sizes, a.seed, typical=True,
-                           values=scalar_values(base, a.value))
+                           values=given_values(base, a.value))
     bad = 0
     for sched in a.schedule or [None]:
         bad += _run_one(a, comm, fn, base, inputs, sched)
     return 1 if bad else 0
 
 
-def scalar_values(p, items) -> dict[str, Any]:
-    """--value NAME=NUMBER items as P's scalar arguments (run and explain --measure checked them)."""
+def given_values(p, items) -> dict[str, Any]:
+    """The --value NAME=NUMBER items the command line handed over (cli/options.py scalar_values
+    checked them there) as P's scalar arguments, parsed again on this rank."""
     scalars = {q.name: q for q in p.params if q.scalar}
     return {k: scalar_from_text(scalars[k], v) for k, v in (x.split("=", 1) for x in items)}
 
