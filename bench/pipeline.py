@@ -28,7 +28,10 @@ Per (P, M, order):
     steps;
   * predicted bubble: orders.simulate(order, Costs(...)) with costs the median F, B, W action
     times of coconet's own events (one cost per kind for every stage: the first stage's
-    embeddings and the last stage's head and loss are averaged in; transfers cost 0; each
+    embeddings and the last stage's head and loss are averaged in; a transfer's latency the
+    median over the steps of the transfers an action waited for, and the time between two
+    actions of a rank the mean of the gaps (step_overheads: the runtime's own time, which the
+    measured bubble counts as idle); each
     rank's first action of a step longer by the median over steps and ranks of that action's
     time over its kind's median on its rank: Costs.first, the step's warm-up); and "pred/st",
     the same simulation with each rank's own median F, B, W (the stages' imbalance in); and,
@@ -375,6 +378,31 @@ def bubble_of(events: list[list[tuple]]) -> float:
     return 1 - sum(e[5] for e in allev) / (len(events) * span) if span > 0 else 0.0
 
 
+def step_overheads(events: list[list[tuple]], order: Any) -> tuple[list[float], list[float]]:
+    """One step's transfers and gaps. Transfers: where an action waited for its input from
+    another rank (the F of the stage before, the B of the stage after) that ended after the
+    action began, the time from that input's end to the start of the action's work (its end less
+    its work). Gaps: for each action after a rank's first, the time from the action before's end
+    to its start, plus its wait where no such input explains it (a receive's own cost)."""
+    end: dict[tuple[int, int, str], float] = {}
+    owner: dict[tuple[int, int, str], int] = {}
+    for r, rank_evs in enumerate(events):
+        for e in rank_evs:
+            key = (order.stage(r, e[2]), e[1], e[0])
+            end[key], owner[key] = e[4], r
+    transfers, gaps = [], []
+    for r, rank_evs in enumerate(events):
+        for i, e in enumerate(rank_evs):
+            st = order.stage(r, e[2])
+            src = (st - 1, e[1], "F") if e[0] == "F" else (st + 1, e[1], "B") if e[0] == "B" else None
+            waited = src is not None and owner.get(src, r) != r and end[src] >= e[3]
+            if waited:
+                transfers.append(e[4] - e[5] - end[src])
+            if i:
+                gaps.append(e[3] - rank_evs[i - 1][4] + (0.0 if waited else e[4] - e[3] - e[5]))
+    return transfers, gaps
+
+
 class Case:
     """One (P, M, order) on every rank of WORLD; SUB and GROUP: the pipeline's P ranks' MPI
     communicator and torch process group (None on the other ranks)."""
@@ -513,15 +541,20 @@ class Case:
                   for e in rank_evs[:1]]
         warm = max(0.0, statistics.median(firsts)) if firsts else 0.0
         res["first_action_extra_s"] = warm
+        over = [step_overheads(evs, o) for evs in events]
+        lat, gaps = [x for t, _ in over for x in t], [x for _, g in over for x in g]
+        transfer = max(0.0, statistics.median(lat)) if lat else 0.0
+        gap = max(0.0, statistics.fmean(gaps)) if gaps else 0.0
+        res["transfer_latency_s"], res["action_gap_s"] = transfer, gap
         sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
-                                              weight_grad=med["W"], first=warm))
+                                              weight_grad=med["W"], transfer=transfer, first=warm, gap=gap))
         res["bubble_predicted"] = sim.bubble()
         stage_costs = []  # each virtual stage's median F, B, W on its rank
         for st in range(o.stages):
             r, c = o.place(st)
             t = {k: per_med.get((r, c, k), 0.0) for k in "FBW"}
             stage_costs.append(orders.Costs(forward=t["F"], backward=t["B"], input_grad=t["B"], weight_grad=t["W"],
-                                            first=warm))
+                                            transfer=transfer, first=warm, gap=gap))
         res["bubble_predicted_per_stage"] = orders.simulate(o, stage_costs).bubble()
         # each step replayed: the order's dependencies with each action's own work (what is left
         # between this and the measured bubble: waiting that no action's time explains)

@@ -364,3 +364,7 @@ def test_simulate_takes_each_stages_costs() -> None:
     w = simulate(make("gpipe", 2, 1), Costs(1, 2, 1, 1, 0, first=0.5))
     assert [(x.rank, x.start, x.end) for x in w.slots] == [(0, 0, 1.5), (0, 5, 7), (1, 1.5, 3), (1, 3, 5)]
     assert w.bubble() == 0.5
+    # the runtime's time between two actions of a rank: idle, not before a rank's first action
+    # (GPipe, 2 ranks, 2 micro-batches, gap 0.5: rank 0's F1 at 1.5-2.5, rank 1's F0 at 1-2)
+    g = simulate(make("gpipe", 2, 2), Costs(1, 2, 1, 1, 0, gap=0.5))
+    assert [(x.start, x.end) for x in g.slots if x.action.kind == "F"] == [(0, 1), (1.5, 2.5), (1, 2), (2.5, 3.5)]

@@ -392,8 +392,8 @@ def _check_action(order: Order, rank: int, a: Action, kinds: tuple[str, ...], wh
 
 @dataclass(frozen=True)
 class Costs:
-    """Time of one action of one virtual stage, the latency of a transfer between ranks, and the
-    extra time of a rank's first action of a step."""
+    """Time of one action of one virtual stage, the latency of a transfer between ranks, the
+    extra time of a rank's first action of a step, and the time between two actions of a rank."""
 
     forward: float = 1.0
     backward: float = 2.0  # the whole backward (B + W), when the order does not split it
@@ -401,6 +401,7 @@ class Costs:
     weight_grad: float = 1.0  # W, when split
     transfer: float = 0.0  # added to every dependency between two ranks
     first: float = 0.0  # added to each rank's first action of a step (its warm-up: caches cold after the step before)
+    gap: float = 0.0  # a rank's time between two of its actions (the runtime's own: not an action's work, so idle)
 
     def of(self, kind: str, split_backward: bool) -> float:
         if kind == "F":
@@ -493,8 +494,8 @@ def _run(order: Order, costs: Costs | Sequence[Costs], times: Mapping[tuple[int,
                 if any(n not in ends for n in needs):
                     break
                 c = costs if isinstance(costs, Costs) else costs[key[0]]
-                start = max([free[rank]] + [ends[n] + (c.transfer if owner[n] != rank else 0)
-                                            for n in needs])
+                start = max([free[rank] + (c.gap if nxt[rank] else 0.0)]
+                            + [ends[n] + (c.transfer if owner[n] != rank else 0) for n in needs])
                 t = times.get((rank, a))
                 if t is None:
                     t = c.of(a.kind, order.split_backward) + (c.first if nxt[rank] == 0 else 0.0)
