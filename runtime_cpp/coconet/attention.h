@@ -4,9 +4,10 @@
 //
 // Rows of the scores are whole here, so no online softmax is needed: per matrix and per block of
 // kAttentionRows rows, one GEMM gives the block's scores in a per-thread tile (only the columns
-// the block's causal mask keeps, unless the caller wants s whole), the tile is scaled, masked,
-// softmaxed and dropped out in place, and one GEMM multiplies it by v.  The backward recomputes
-// (or reads) the block's P, forms dS in the tile, and accumulates dk and dv with C += GEMMs.
+// the block's causal mask keeps, unless the caller wants s whole; the saved p's own rows when the
+// caller saves p and draws no dropout), the tile is scaled, masked, softmaxed and dropped out in
+// place, and one GEMM multiplies it by v.  The backward recomputes (or reads, where it is
+// stored) the block's P, forms dS in the tile, and accumulates dk and dv with C += GEMMs.
 // The masked columns of a block are not touched by any GEMM: about half of the work of the
 // pieces.  Dropout's Philox runs once per kept element per call.  The float softmax's exp is a
 // vectorizable polynomial (attention_exp, within 3 ulp of std::exp).
