@@ -13,9 +13,9 @@
 // vectorizable polynomial (attention_exp, within 3 ulp of std::exp).
 //
 // Measured (bench/attention_cpu.py, one thread, batch 64, S = 512, head dim 64, f32, MKL, a
-// 2.6 GHz Xeon with AVX-512, one run): forward + backward 98 ms with p saved (95 with p read as a
-// backward program reads it), 130 ms with s and a saved (196 ms with dropout 0.1); torch's
-// pieces 427 ms, torch SDPA is_causal 154 ms.
+// 2.6 GHz Xeon with AVX-512, one run): forward + backward 120 ms with p saved (125 with p read as
+// a backward program reads it), 177 ms with s and a saved (243 ms with dropout 0.1); torch's
+// pieces 529 ms, torch SDPA is_causal 203 ms.
 //
 // Not done: threads.  A call runs in the calling thread, its tile GEMMs in BLAS's thread pool;
 // with COCONET_THREADS > 1 those small GEMMs would do better one thread per matrix.
@@ -392,9 +392,11 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         continue;
       }
       const int64_t c = whole ? N : kept;  // columns of dA computed; the tiles' leading dim
-      // A's block, read in place where it is stored (a_in's, or p_in's when A is P: their masked
-      // entries in a block that is not whole are 0), else made in pt from P
-      const T* ab = a_in ? a_in + (b * M + i0) * N : (p_in && !drop) ? p_in + (b * M + i0) * N : pt;
+      // A's block, read in place where it is stored when the check above found its masked
+      // entries 0 (a_in's, or p_in's when A is P), else made in pt: a_in's kept entries, or
+      // from P (only the kept entries of an a_in or p_in not checked are read)
+      const bool a_here = a_in && a_whole && a_clean, p_here = !a_in && !drop && p_in && p_whole && p_clean;
+      const T* ab = a_here ? a_in + (b * M + i0) * N : p_here ? p_in + (b * M + i0) * N : pt;
       gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
       for (int64_t i = i0; i < i1; ++i) {
         T* pr = pt + (i - i0) * c;
@@ -414,7 +416,12 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         const T r = detail::attention_row_dot<T>(d, p, kr);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
         std::fill(d + kc, d + c, T(0));
-        if (ab == pt) {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
+        if (ab != pt || (a_in && !a_clean)) {
+          // (A read where it is stored; or dv from every entry of a_in's rows, below)
+        } else if (a_in) {
+          std::copy(a_in + row, a_in + row + kc, pr);
+          std::fill(pr + kc, pr + c, T(0));
+        } else {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
           if (p_in) std::copy(p, p + kr, pr);
           if (drop) detail::attention_apply_keep(pr, keep, kr, keep_scale);
           std::fill(pr + kr, pr + c, T(0));
