@@ -380,10 +380,11 @@ def bubble_of(events: list[list[tuple]]) -> float:
 
 def step_overheads(events: list[list[tuple]], order: Any) -> tuple[list[float], list[float]]:
     """One step's transfers and gaps. Transfers: where an action waited for its input from
-    another rank (the F of the stage before, the B of the stage after) that ended after the
-    action began, the time from that input's end to the start of the action's work (its end less
+    another rank (orders.needs: the F of the stage before, the B of the stage after) that ended
+    after the action began, the time from that input's end to the start of the action's work (its end less
     its work). Gaps: for each action after a rank's first, the time from the action before's end
     to its start, plus its wait where no such input explains it (a receive's own cost)."""
+    from coconetc.pipeline import orders
     end: dict[tuple[int, int, str], float] = {}
     owner: dict[tuple[int, int, str], int] = {}
     for r, rank_evs in enumerate(events):
@@ -393,11 +394,10 @@ def step_overheads(events: list[list[tuple]], order: Any) -> tuple[list[float], 
     transfers, gaps = [], []
     for r, rank_evs in enumerate(events):
         for i, e in enumerate(rank_evs):
-            st = order.stage(r, e[2])
-            src = (st - 1, e[1], "F") if e[0] == "F" else (st + 1, e[1], "B") if e[0] == "B" else None
-            waited = src is not None and owner.get(src, r) != r and end[src] >= e[3]
+            remote = [end[n] for n in orders.needs(order, (order.stage(r, e[2]), e[1], e[0])) if owner.get(n, r) != r]
+            waited = bool(remote) and max(remote) >= e[3]
             if waited:
-                transfers.append(e[4] - e[5] - end[src])
+                transfers.append(e[4] - e[5] - max(remote))
             if i:
                 gaps.append(e[3] - rank_evs[i - 1][4] + (0.0 if waited else e[4] - e[3] - e[5]))
     return transfers, gaps

@@ -324,7 +324,9 @@ class _ListScheduler:
 Key = tuple[int, int, str]
 
 
-def _needs(order: Order, key: Key) -> list[Key]:
+def needs(order: Order, key: Key) -> list[Key]:
+    """What the action KEY = (stage, micro-batch, kind) waits for: an F the previous stage's F
+    of its micro-batch; a B its own stage's F and the next stage's B; a W its own B."""
     stage, m, kind = key
     if kind == "F":
         return [(stage - 1, m, "F")] if stage > 0 else []
@@ -490,12 +492,12 @@ def _run(order: Order, costs: Costs | Sequence[Costs], times: Mapping[tuple[int,
             while nxt[rank] < len(acts):
                 a = acts[nxt[rank]]
                 key = (order.stage(rank, a.chunk), a.microbatch, a.kind)
-                needs = _needs(order, key)
-                if any(n not in ends for n in needs):
+                inputs = needs(order, key)
+                if any(n not in ends for n in inputs):
                     break
                 c = costs if isinstance(costs, Costs) else costs[key[0]]
                 start = max([free[rank] + (c.gap if nxt[rank] else 0.0)]
-                            + [ends[n] + (c.transfer if owner[n] != rank else 0) for n in needs])
+                            + [ends[n] + (c.transfer if owner[n] != rank else 0) for n in inputs])
                 t = times.get((rank, a))
                 if t is None:
                     t = c.of(a.kind, order.split_backward) + (c.first if nxt[rank] == 0 else 0.0)
@@ -516,7 +518,7 @@ def _blocked(order: Order, rank: int, nxt: list[int], ends: dict[Key, float],
     a = order.actions[rank][nxt[rank]]
     key = (order.stage(rank, a.chunk), a.microbatch, a.kind)
     waits = []
-    for n in _needs(order, key):
+    for n in needs(order, key):
         if n in ends:
             continue
         if owner[n] == rank:
