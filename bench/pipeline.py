@@ -28,15 +28,15 @@ Per (P, M, order):
     steps;
   * predicted bubble: orders.simulate(order, Costs(...)) with costs the median F, B, W action
     times of coconet's own events (one cost per kind for every stage: the first stage's
-    embeddings and the last stage's head and loss are averaged in; a transfer's latency the
-    median over the steps of the transfers an action waited for, and the time between two
-    actions of a rank the mean of the gaps (step_overheads: the runtime's own time, which the
-    measured bubble counts as idle); each
-    rank's first action of a step longer by the median over steps and ranks of that action's
-    time over its kind's median on its rank: Costs.first, the step's warm-up); and "pred/st",
-    the same simulation with each rank's own median F, B, W (the stages' imbalance in); and,
-    in the lines after the table, each step replayed: the simulation with every
-    action's own measured work (what is left between it and the measured bubble is waiting no
+    embeddings and the last stage's head and loss are averaged in), and three more measured
+    from them: a transfer's latency, the median over the steps of the transfers an action
+    waited for; the time between two actions of a rank, the mean of the gaps (step_overheads:
+    the runtime's own time, which the measured bubble counts as idle); and each rank's first
+    action of a step longer by the median over steps and ranks of that action's time over its
+    kind's median on its rank (Costs.first, the step's warm-up); and "pred/st", the same
+    simulation with each rank's own median F, B, W (the stages' imbalance in); and, in the
+    lines after the table, each step replayed: the simulation with every action's own measured
+    work (what is left between it and the measured bubble is waiting no
     action's time explains: messages, the cores' sharing; what is between it and "pred/st",
     the actions' spread around their medians, such as a step's first micro-batch, whose
     backward returns new gradients rather than adding into .grad);

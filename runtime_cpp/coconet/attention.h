@@ -377,7 +377,8 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
     const uint64_t base = drop ? detail::attention_base(b, M, N, at) : 0;
     // p_whole / a_whole ask only for a check: a matrix whose p_in (a_in) holds 0 at every masked
     // entry, as the forward writes it, is read at its kept entries alone (one vectorized pass over
-    // its masked entries; dv then over kept columns only)
+    // its masked entries; dv then over kept columns only).  !a_clean: a_in given, asked whole,
+    // and not 0 there
     const bool p_clean = !(p_in && p_whole) || !detail::attention_masked_nonzero(p_in + b * M * N, 0, M, N, diagonal);
     const bool a_clean = !(a_in && a_whole) ||
                          (a_in == p_in ? p_clean : !detail::attention_masked_nonzero(a_in + b * M * N, 0, M, N, diagonal));
@@ -387,7 +388,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
       const bool whole = !p_clean && detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal);
       if (kept == 0 && !whole) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a
         std::fill(dqb + i0 * D, dqb + i1 * D, T(0));  // whole a_in; a whole p_in's rows go the way below:
-        if (a_in && !a_clean)                         // dS 0, A = dropout(P) at every entry)
+        if (!a_clean)                                 // dS 0, A = dropout(P) at every entry)
           gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
         continue;
       }
@@ -397,6 +398,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
       // from P (only the kept entries of an a_in or p_in not checked are read)
       const bool a_here = a_in && a_whole && a_clean, p_here = !a_in && !drop && p_in && p_whole && p_clean;
       const T* ab = a_here ? a_in + (b * M + i0) * N : p_here ? p_in + (b * M + i0) * N : pt;
+      const bool make_a = ab == pt && a_clean;  // (else A is read where it is stored, or dv reads a_in whole)
       gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
       for (int64_t i = i0; i < i1; ++i) {
         T* pr = pt + (i - i0) * c;
@@ -416,12 +418,10 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         const T r = detail::attention_row_dot<T>(d, p, kr);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
         std::fill(d + kc, d + c, T(0));
-        if (ab != pt || (a_in && !a_clean)) {
-          // (A read where it is stored; or dv from every entry of a_in's rows, below)
-        } else if (a_in) {
+        if (make_a && a_in) {
           std::copy(a_in + row, a_in + row + kc, pr);
           std::fill(pr + kc, pr + c, T(0));
-        } else {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
+        } else if (make_a) {  // A from P over the entries r read (a row of a whole block: every one, as the pieces' A)
           if (p_in) std::copy(p, p + kr, pr);
           if (drop) detail::attention_apply_keep(pr, keep, kr, keep_scale);
           std::fill(pr + kr, pr + c, T(0));
@@ -429,7 +429,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
       }
       gemm(rows, D, c, dt, c, kb, D, dqb + i0 * D, D);                            // dq = dS k
       gemm_trans_acc(true, false, c, D, rows, dt, c, qb + i0 * D, D, dkb, D);     // dk += dS^T q
-      if (a_in && !a_clean)  // dv += a^T g over every column: a_in's masked entries may be nonzero
+      if (!a_clean)  // dv += a^T g over every column: a_in's masked entries are not all 0
         gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
       else
         gemm_trans_acc(true, false, c, E, rows, ab, ab == pt ? c : N, gb + i0 * E, E, dvb, E);  // dv += A^T g
