@@ -117,9 +117,25 @@ def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int,
     return Epilogue(kind, operand, item.name), ""
 
 
+def _reshapes_first(units: list[Unit]) -> list[Unit]:
+    """UNITS with each reshape that sits between a matmul and the loop after it moved before
+    the matmul, where neither reads what the other writes: the loop is then the unit after the
+    matmul, and may be its epilogue (`matmul(x, w) + reshape(b, [-1])`: the reshape of the
+    bias, which reads a parameter and no result of the matmul)."""
+    out = list(units)
+    for i in range(len(out) - 2):
+        u, r, loop = out[i], out[i + 1], out[i + 2]
+        if isinstance(u, Library) and carries(u.op) and isinstance(r, Library) and r.op == "reshape" \
+                and isinstance(loop, Loop) and not _touches(r, {u.dst}) and not _touches(u, {r.dst}):
+            out[i], out[i + 1] = r, u
+    return out
+
+
 def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
     """UNITS with each matmul's epilogue set (the top-level units; inside an overlap or a fused
-    collective, none)."""
+    collective, none), a reshape between a matmul and its loop moved before it
+    (_reshapes_first)."""
+    units = _reshapes_first(units)
     out = list(units)
     for i, u in enumerate(units):
         if isinstance(u, Library) and carries(u.op):

@@ -80,50 +80,41 @@ void gpt_block__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
   trace_1.end();
   coconet::trace::Unit trace_2(2);
-  // [fused] matmul t1_q (gpt_block.ccn)
-  coconet::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_2.end();
-  coconet::trace::Unit trace_3(3);
   // [fused] reshape t2_q (gpt_block.ccn)
   coconet::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");
-  trace_3.end();
-  coconet::trace::Unit trace_4(4);
-  // [fused] loop: t3_q (gpt_block.ccn)
+  trace_2.end();
+  coconet::trace::Unit trace_3(3);
+  // [fused] matmul t1_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_L1 = L1;
-      const auto l_L2 = L2;
-      const auto l_v_t1_q = v_t1_q;
-      const auto l_v_t2_q = v_t2_q;
-      const auto l_v_t3_q = v_t3_q;
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_n1 + r0 * (S_H), v_t0_q, v_t1_q + r0 * (coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), rn, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / l_L2;
-      const int64_t j0 = i0 - rest * l_L2;
-      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        l_v_t3_q[i] = coconet::from_compute<float>(coconet::to_compute(l_v_t1_q[i]) + coconet::to_compute(l_v_t2_q[c2 * int64_t(1)]));
+        v_t3_q[i] = coconet::from_compute<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
       }
     }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
+    }
   }
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
+  // loop t3_q: the epilogue of the matmul above
   trace_4.end();
   coconet::trace::Unit trace_5(5);
   // [fused] reshape t4_q (gpt_block.ccn)
@@ -154,50 +145,41 @@ void gpt_block__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
   trace_11.end();
   coconet::trace::Unit trace_12(12);
-  // [fused] matmul t9_v (gpt_block.ccn)
-  coconet::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_12.end();
-  coconet::trace::Unit trace_13(13);
   // [fused] reshape t10_v (gpt_block.ccn)
   coconet::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
-  trace_13.end();
-  coconet::trace::Unit trace_14(14);
-  // [fused] loop: t11_v (gpt_block.ccn)
+  trace_12.end();
+  coconet::trace::Unit trace_13(13);
+  // [fused] matmul t9_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_L1 = L1;
-      const auto l_L2 = L2;
-      const auto l_v_t10_v = v_t10_v;
-      const auto l_v_t11_v = v_t11_v;
-      const auto l_v_t9_v = v_t9_v;
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_n1 + r0 * (S_H), v_t8_v, v_t9_v + r0 * (coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), rn, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / l_L2;
-      const int64_t j0 = i0 - rest * l_L2;
-      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        l_v_t11_v[i] = coconet::from_compute<float>(coconet::to_compute(l_v_t9_v[i]) + coconet::to_compute(l_v_t10_v[c2 * int64_t(1)]));
+        v_t11_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
       }
     }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
+    }
   }
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
+  // loop t11_v: the epilogue of the matmul above
   trace_14.end();
   coconet::trace::Unit trace_15(15);
   // [fused] reshape t12_v (gpt_block.ccn)

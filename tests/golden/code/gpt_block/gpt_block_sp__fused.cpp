@@ -85,50 +85,41 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
   trace_2.end();
   coconet::trace::Unit trace_3(3);
-  // [fused] matmul qm (gpt_block.ccn:124)
-  coconet::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_3.end();
-  coconet::trace::Unit trace_4(4);
   // [fused] reshape t1_q (gpt_block.ccn)
   coconet::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  trace_4.end();
-  coconet::trace::Unit trace_5(5);
-  // [fused] loop: t2_q (gpt_block.ccn)
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
+  // [fused] matmul qm (gpt_block.ccn:124)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_L1 = L1;
-      const auto l_L2 = L2;
-      const auto l_v_qm = v_qm;
-      const auto l_v_t1_q = v_t1_q;
-      const auto l_v_t2_q = v_t2_q;
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_n1 + r0 * (S_H), v_t0_qm, v_qm + r0 * (coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), rn, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / l_L2;
-      const int64_t j0 = i0 - rest * l_L2;
-      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        l_v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(l_v_qm[i]) + coconet::to_compute(l_v_t1_q[c2 * int64_t(1)]));
+        v_t2_q[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
       }
     }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
+    }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
+  // loop t2_q: the epilogue of the matmul above
   trace_5.end();
   coconet::trace::Unit trace_6(6);
   // [fused] reshape t3_q (gpt_block.ccn)
@@ -159,50 +150,41 @@ void gpt_block_sp__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   trace_12.end();
   coconet::trace::Unit trace_13(13);
-  // [fused] matmul t8_v (gpt_block.ccn)
-  coconet::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_13.end();
-  coconet::trace::Unit trace_14(14);
   // [fused] reshape t9_v (gpt_block.ccn)
   coconet::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
-  trace_14.end();
-  coconet::trace::Unit trace_15(15);
-  // [fused] loop: t10_v (gpt_block.ccn)
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
+  // [fused] matmul t8_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_L1 = L1;
-      const auto l_L2 = L2;
-      const auto l_v_t10_v = v_t10_v;
-      const auto l_v_t8_v = v_t8_v;
-      const auto l_v_t9_v = v_t9_v;
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_n1 + r0 * (S_H), v_t7_v, v_t8_v + r0 * (coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), rn, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / l_L2;
-      const int64_t j0 = i0 - rest * l_L2;
-      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        l_v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(l_v_t8_v[i]) + coconet::to_compute(l_v_t9_v[c2 * int64_t(1)]));
+        v_t10_v[i] = coconet::from_compute<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
       }
     }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
+    }
   }
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
+  // loop t10_v: the epilogue of the matmul above
   trace_15.end();
   coconet::trace::Unit trace_16(16);
   // [fused] reshape t11_v (gpt_block.ccn)

@@ -169,50 +169,41 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   coconet::allgather(v_n1s, v_n1, S_B, S_S, S_H, comm);
   trace_2.end();
   coconet::trace::Unit trace_3(3);
-  // [backward] matmul qm (gpt_block.ccn:124)
-  coconet::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_3.end();
-  coconet::trace::Unit trace_4(4);
   // [backward] reshape q_reshape (gpt_block.ccn:125)
   coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)");
-  trace_4.end();
-  coconet::trace::Unit trace_5(5);
-  // [backward] loop: q_add (gpt_block.ccn:125)
+  trace_3.end();
+  coconet::trace::Unit trace_4(4);
+  // [backward] matmul qm (gpt_block.ccn:124)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_L1 = L1;
-      const auto l_L2 = L2;
-      const auto l_v_q_add = v_q_add;
-      const auto l_v_q_reshape = v_q_reshape;
-      const auto l_v_qm = v_qm;
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_n1 + r0 * (S_H), v_qm_reshape, v_qm + r0 * (coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), rn, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / l_L2;
-      const int64_t j0 = i0 - rest * l_L2;
-      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        l_v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(l_v_qm[i]) + coconet::to_compute(l_v_q_reshape[c2 * int64_t(1)]));
+        v_q_add[i] = coconet::from_compute<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
       }
     }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
+    }
   }
+  trace_4.end();
+  coconet::trace::Unit trace_5(5);
+  // loop q_add: the epilogue of the matmul above
   trace_5.end();
   coconet::trace::Unit trace_6(6);
   // [backward] reshape q_reshape2 (gpt_block.ccn:125)
@@ -243,50 +234,41 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
   trace_12.end();
   coconet::trace::Unit trace_13(13);
-  // [backward] matmul v_matmul (gpt_block.ccn:127)
-  coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  trace_13.end();
-  coconet::trace::Unit trace_14(14);
   // [backward] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
-  trace_14.end();
-  coconet::trace::Unit trace_15(15);
-  // [backward] loop: v_add (gpt_block.ccn:127)
+  trace_13.end();
+  coconet::trace::Unit trace_14(14);
+  // [backward] matmul v_matmul (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    const int64_t n = S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    auto run = [&](int64_t lo, int64_t hi) {
-      const auto l_L1 = L1;
-      const auto l_L2 = L2;
-      const auto l_v_v_add = v_v_add;
-      const auto l_v_v_matmul = v_v_matmul;
-      const auto l_v_v_reshape2 = v_v_reshape2;
+    const int64_t rows = S_B * S_S, cols = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+      const int64_t rn = std::min<int64_t>(rb, rows - r0);
+      coconet::matmul<float>(v_n1 + r0 * (S_H), v_v_reshape, v_v_matmul + r0 * (coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), rn, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+      const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
-      int64_t rest = i0 / l_L2;
-      const int64_t j0 = i0 - rest * l_L2;
-      const int64_t c1 = rest % l_L1; rest /= l_L1;
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
       (void)rest;
-      e0 = std::min<int64_t>(hi, i0 + (l_L2 - j0));
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        l_v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(l_v_v_matmul[i]) + coconet::to_compute(l_v_v_reshape2[c2 * int64_t(1)]));
+        v_v_add[i] = coconet::from_compute<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
       }
     }
-    };
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1)
-      coconet::parallel_blocks((n + coconet::kParallelMin - 1) / coconet::kParallelMin, [&](int64_t blk) {
-        const int64_t lo = blk * coconet::kParallelMin;
-        run(lo, std::min<int64_t>(n, lo + coconet::kParallelMin));
-      });
-    else
-      run(0, n);
+    }
   }
+  trace_14.end();
+  coconet::trace::Unit trace_15(15);
+  // loop v_add: the epilogue of the matmul above
   trace_15.end();
   coconet::trace::Unit trace_16(16);
   // [backward] reshape v_reshape3 (gpt_block.ccn:127)

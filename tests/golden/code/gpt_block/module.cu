@@ -126,56 +126,58 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [default] matmul t1_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul t1_q (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_q, v_t3_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t2_q, nullptr, 1.0f, stream)) {  // t1_q = matmul, then bias(t2_q) -> t3_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
+          coconet::cuda::Vec<float, 4> out_t3_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+            out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+          v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] kernel: t3_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
-        coconet::cuda::Vec<float, 4> out_t3_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-          out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-        v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
-      }
-    });
-  }
+  // kernel t3_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reshape t4_q (gpt_block.ccn)
@@ -206,56 +208,58 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [default] matmul t9_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul t9_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t8_v, v_t11_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t10_v, nullptr, 1.0f, stream)) {  // t9_v = matmul, then bias(t10_v) -> t11_v
+    coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
+          coconet::cuda::Vec<float, 4> out_t11_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+            out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+          v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [default] kernel: t11_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
-        coconet::cuda::Vec<float, 4> out_t11_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-          out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-        v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
-      }
-    });
-  }
+  // kernel t11_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reshape t12_v (gpt_block.ccn)
@@ -696,56 +700,58 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [fused] matmul t1_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [fused] matmul t1_q (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_q, v_t3_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t2_q, nullptr, 1.0f, stream)) {  // t1_q = matmul, then bias(t2_q) -> t3_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
+          coconet::cuda::Vec<float, 4> out_t3_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+            out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+          v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [fused] kernel: t3_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
-        coconet::cuda::Vec<float, 4> out_t3_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-          out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-        v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
-      }
-    });
-  }
+  // kernel t3_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] reshape t4_q (gpt_block.ccn)
@@ -776,56 +782,58 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [fused] matmul t9_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [fused] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [fused] matmul t9_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t8_v, v_t11_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t10_v, nullptr, 1.0f, stream)) {  // t9_v = matmul, then bias(t10_v) -> t11_v
+    coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
+          coconet::cuda::Vec<float, 4> out_t11_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+            out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+          v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [fused] kernel: t11_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
-        coconet::cuda::Vec<float, 4> out_t11_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-          out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-        v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
-      }
-    });
-  }
+  // kernel t11_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [fused] reshape t12_v (gpt_block.ccn)
@@ -1254,56 +1262,58 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] matmul t1_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [overlapped] matmul t1_q (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_q, v_t3_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t2_q, nullptr, 1.0f, stream)) {  // t1_q = matmul, then bias(t2_q) -> t3_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
+          coconet::cuda::Vec<float, 4> out_t3_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+            out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+          v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [overlapped] kernel: t3_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
-        coconet::cuda::Vec<float, 4> out_t3_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-          out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-        v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
-      }
-    });
-  }
+  // kernel t3_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape t4_q (gpt_block.ccn)
@@ -1334,56 +1344,58 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped] matmul t9_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped] matmul t9_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t8_v, v_t11_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t10_v, nullptr, 1.0f, stream)) {  // t9_v = matmul, then bias(t10_v) -> t11_v
+    coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
+          coconet::cuda::Vec<float, 4> out_t11_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+            out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+          v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped] kernel: t11_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
-        coconet::cuda::Vec<float, 4> out_t11_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-          out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-        v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
-      }
-    });
-  }
+  // kernel t11_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape t12_v (gpt_block.ccn)
@@ -1853,56 +1865,58 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_qm, v_t2_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t1_q, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(t1_q) -> t2_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_t2_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+            out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] kernel: t2_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_t2_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
-      }
-    });
-  }
+  // kernel t2_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reshape t3_q (gpt_block.ccn)
@@ -1933,56 +1947,58 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [default] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [default] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] reshape t11_v (gpt_block.ccn)
@@ -2439,56 +2455,58 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [fused] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [fused] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_qm, v_t2_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t1_q, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(t1_q) -> t2_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_t2_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+            out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [fused] kernel: t2_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_t2_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
-      }
-    });
-  }
+  // kernel t2_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] reshape t3_q (gpt_block.ccn)
@@ -2519,56 +2537,58 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [fused] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [fused] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [fused] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [fused] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [fused] reshape t11_v (gpt_block.ccn)
@@ -3063,56 +3083,58 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [overlapped] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [overlapped] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_qm, v_t2_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t1_q, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(t1_q) -> t2_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_t2_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+            out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [overlapped] kernel: t2_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_t2_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
-      }
-    });
-  }
+  // kernel t2_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] reshape t3_q (gpt_block.ccn)
@@ -3143,56 +3165,58 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [overlapped] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [overlapped] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [overlapped] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] reshape t11_v (gpt_block.ccn)
@@ -3810,56 +3834,58 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped_both] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped_both] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped_both] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
@@ -4513,56 +4539,58 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [default] matmul q_matmul (gpt_block.ccn:38)
-  coconet::cuda::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reshape q_reshape2 (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul q_matmul (gpt_block.ccn:38)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_q_reshape, v_q_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape2, nullptr, 1.0f, stream)) {  // q_matmul = matmul, then bias(q_reshape2) -> q_add
+    coconet::cuda::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_q_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+            out_q_add[u] = coconet::from_compute<float>(x_q_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_q_add + i0, out_q_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+          v_q_add[i] = coconet::from_compute<float>(x_q_add);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] kernel: q_add (gpt_block.ccn:38)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_q_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
-          out_q_add[u] = coconet::from_compute<float>(x_q_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_q_add + i0, out_q_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
-        v_q_add[i] = coconet::from_compute<float>(x_q_add);
-      }
-    });
-  }
+  // kernel q_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reshape q_reshape3 (gpt_block.ccn:38)
@@ -4593,56 +4621,58 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [default] matmul v_matmul (gpt_block.ccn:41)
-  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] reshape v_reshape2 (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul v_matmul (gpt_block.ccn:41)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_v_reshape, v_v_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape2, nullptr, 1.0f, stream)) {  // v_matmul = matmul, then bias(v_reshape2) -> v_add
+    coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_v_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+            out_v_add[u] = coconet::from_compute<float>(x_v_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          v_v_add[i] = coconet::from_compute<float>(x_v_add);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [default] kernel: v_add (gpt_block.ccn:41)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_v_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-          out_v_add[u] = coconet::from_compute<float>(x_v_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-        v_v_add[i] = coconet::from_compute<float>(x_v_add);
-      }
-    });
-  }
+  // kernel v_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reshape v_reshape3 (gpt_block.ccn:41)
@@ -5581,56 +5611,58 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] matmul q_matmul (gpt_block.ccn:38)
-  coconet::cuda::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape q_reshape2 (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [overlapped] matmul q_matmul (gpt_block.ccn:38)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_q_reshape, v_q_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape2, nullptr, 1.0f, stream)) {  // q_matmul = matmul, then bias(q_reshape2) -> q_add
+    coconet::cuda::matmul<float>(v_n1, v_q_reshape, v_q_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_q_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+            out_q_add[u] = coconet::from_compute<float>(x_q_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_q_add + i0, out_q_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
+          v_q_add[i] = coconet::from_compute<float>(x_q_add);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [overlapped] kernel: q_add (gpt_block.ccn:38)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_q_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
-          out_q_add[u] = coconet::from_compute<float>(x_q_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_q_add + i0, out_q_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_q_matmul[i]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
-        v_q_add[i] = coconet::from_compute<float>(x_q_add);
-      }
-    });
-  }
+  // kernel q_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape q_reshape3 (gpt_block.ccn:38)
@@ -5661,56 +5693,58 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped] matmul v_matmul (gpt_block.ccn:41)
-  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape v_reshape2 (gpt_block.ccn:41)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped] matmul v_matmul (gpt_block.ccn:41)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_v_reshape, v_v_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape2, nullptr, 1.0f, stream)) {  // v_matmul = matmul, then bias(v_reshape2) -> v_add
+    coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_v_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+            out_v_add[u] = coconet::from_compute<float>(x_v_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          v_v_add[i] = coconet::from_compute<float>(x_v_add);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped] kernel: v_add (gpt_block.ccn:41)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_v_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-          out_v_add[u] = coconet::from_compute<float>(x_v_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-        v_v_add[i] = coconet::from_compute<float>(x_v_add);
-      }
-    });
-  }
+  // kernel v_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape v_reshape3 (gpt_block.ccn:41)
@@ -6665,56 +6699,58 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape q_reshape (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_qm_reshape, v_q_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(q_reshape) -> q_add
+    coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_q_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+            out_q_add[u] = coconet::from_compute<float>(x_q_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_q_add + i0, out_q_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+          v_q_add[i] = coconet::from_compute<float>(x_q_add);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] kernel: q_add (gpt_block.ccn:125)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_q_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
-          out_q_add[u] = coconet::from_compute<float>(x_q_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_q_add + i0, out_q_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
-        v_q_add[i] = coconet::from_compute<float>(x_q_add);
-      }
-    });
-  }
+  // kernel q_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reshape q_reshape2 (gpt_block.ccn:125)
@@ -6745,56 +6781,58 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [default] matmul v_matmul (gpt_block.ccn:127)
-  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] matmul v_matmul (gpt_block.ccn:127)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_v_reshape, v_v_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape2, nullptr, 1.0f, stream)) {  // v_matmul = matmul, then bias(v_reshape2) -> v_add
+    coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_v_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+            out_v_add[u] = coconet::from_compute<float>(x_v_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          v_v_add[i] = coconet::from_compute<float>(x_v_add);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [default] kernel: v_add (gpt_block.ccn:127)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_v_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-          out_v_add[u] = coconet::from_compute<float>(x_v_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-        v_v_add[i] = coconet::from_compute<float>(x_v_add);
-      }
-    });
-  }
+  // kernel v_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] reshape v_reshape3 (gpt_block.ccn:127)
@@ -7876,56 +7914,58 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped] matmul v_matmul (gpt_block.ccn:127)
-  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped] matmul v_matmul (gpt_block.ccn:127)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_v_reshape, v_v_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape2, nullptr, 1.0f, stream)) {  // v_matmul = matmul, then bias(v_reshape2) -> v_add
+    coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_v_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+            out_v_add[u] = coconet::from_compute<float>(x_v_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          v_v_add[i] = coconet::from_compute<float>(x_v_add);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped] kernel: v_add (gpt_block.ccn:127)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_v_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-          out_v_add[u] = coconet::from_compute<float>(x_v_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-        v_v_add[i] = coconet::from_compute<float>(x_v_add);
-      }
-    });
-  }
+  // kernel v_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape v_reshape3 (gpt_block.ccn:127)
@@ -9084,56 +9124,58 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped_both] matmul v_matmul (gpt_block.ccn:127)
-  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped_both] matmul v_matmul (gpt_block.ccn:127)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_v_reshape, v_v_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape2, nullptr, 1.0f, stream)) {  // v_matmul = matmul, then bias(v_reshape2) -> v_add
+    coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_v_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+            out_v_add[u] = coconet::from_compute<float>(x_v_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          v_v_add[i] = coconet::from_compute<float>(x_v_add);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped_both] kernel: v_add (gpt_block.ccn:127)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_v_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-          out_v_add[u] = coconet::from_compute<float>(x_v_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-        v_v_add[i] = coconet::from_compute<float>(x_v_add);
-      }
-    });
-  }
+  // kernel v_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:127)
@@ -10219,56 +10261,58 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [backward] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [backward] reshape q_reshape (gpt_block.ccn:125)
   coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [backward] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_qm_reshape, v_q_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_q_reshape, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(q_reshape) -> q_add
+    coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_q_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+            out_q_add[u] = coconet::from_compute<float>(x_q_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_q_add + i0, out_q_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+          v_q_add[i] = coconet::from_compute<float>(x_q_add);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [backward] kernel: q_add (gpt_block.ccn:125)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_q_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
-          out_q_add[u] = coconet::from_compute<float>(x_q_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_q_add + i0, out_q_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
-        v_q_add[i] = coconet::from_compute<float>(x_q_add);
-      }
-    });
-  }
+  // kernel q_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [backward] reshape q_reshape2 (gpt_block.ccn:125)
@@ -10299,56 +10343,58 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [backward] matmul v_matmul (gpt_block.ccn:127)
-  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [backward] reshape v_reshape2 (gpt_block.ccn:127)
   coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [backward] matmul v_matmul (gpt_block.ccn:127)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_v_reshape, v_v_add, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_v_reshape2, nullptr, 1.0f, stream)) {  // v_matmul = matmul, then bias(v_reshape2) -> v_add
+    coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_v_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+            out_v_add[u] = coconet::from_compute<float>(x_v_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          v_v_add[i] = coconet::from_compute<float>(x_v_add);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [backward] kernel: v_add (gpt_block.ccn:127)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_v_add;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-          out_v_add[u] = coconet::from_compute<float>(x_v_add);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
-        v_v_add[i] = coconet::from_compute<float>(x_v_add);
-      }
-    });
-  }
+  // kernel v_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [backward] reshape v_reshape3 (gpt_block.ccn:127)
@@ -11255,56 +11301,58 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [default] matmul t1_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [default] matmul t1_q (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_q, v_t3_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t2_q, nullptr, 1.0f, stream)) {  // t1_q = matmul, then bias(t2_q) -> t3_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
+          coconet::cuda::Vec<float, 4> out_t3_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+            out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+          v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [default] kernel: t3_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
-        coconet::cuda::Vec<float, 4> out_t3_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-          out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-        v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
-      }
-    });
-  }
+  // kernel t3_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [default] reshape t4_q (gpt_block.ccn)
@@ -11335,56 +11383,58 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [default] matmul t9_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [default] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [default] matmul t9_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t8_v, v_t11_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t10_v, nullptr, 1.0f, stream)) {  // t9_v = matmul, then bias(t10_v) -> t11_v
+    coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
+          coconet::cuda::Vec<float, 4> out_t11_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+            out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+          v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [default] kernel: t11_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
-        coconet::cuda::Vec<float, 4> out_t11_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-          out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-        v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
-      }
-    });
-  }
+  // kernel t11_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [default] reshape t12_v (gpt_block.ccn)
@@ -11836,56 +11886,58 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [fused] matmul t1_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [fused] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [fused] matmul t1_q (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_q, v_t3_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t2_q, nullptr, 1.0f, stream)) {  // t1_q = matmul, then bias(t2_q) -> t3_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
+          coconet::cuda::Vec<float, 4> out_t3_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+            out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+          v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [fused] kernel: t3_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
-        coconet::cuda::Vec<float, 4> out_t3_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-          out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-        v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
-      }
-    });
-  }
+  // kernel t3_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [fused] reshape t4_q (gpt_block.ccn)
@@ -11916,56 +11968,58 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [fused] matmul t9_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [fused] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [fused] matmul t9_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t8_v, v_t11_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t10_v, nullptr, 1.0f, stream)) {  // t9_v = matmul, then bias(t10_v) -> t11_v
+    coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
+          coconet::cuda::Vec<float, 4> out_t11_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+            out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+          v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [fused] kernel: t11_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
-        coconet::cuda::Vec<float, 4> out_t11_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-          out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-        v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
-      }
-    });
-  }
+  // kernel t11_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [fused] reshape t12_v (gpt_block.ccn)
@@ -12405,56 +12459,58 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
-  // [overlapped] matmul t1_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_2.end();
-  coconet::cuda::trace::Unit trace_3(3, stream);
   // [overlapped] reshape t2_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
+  trace_2.end();
+  coconet::cuda::trace::Unit trace_3(3, stream);
+  // [overlapped] matmul t1_q (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_q, v_t3_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t2_q, nullptr, 1.0f, stream)) {  // t1_q = matmul, then bias(t2_q) -> t3_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_q, v_t1_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
+          coconet::cuda::Vec<float, 4> out_t3_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+            out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
+          v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
+        }
+      });
+    }
+  }
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
-  // [overlapped] kernel: t3_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
-        coconet::cuda::Vec<float, 4> out_t3_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-          out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t3_q = coconet::round_to<float>(coconet::to_compute(v_t1_q[i]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
-        v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
-      }
-    });
-  }
+  // kernel t3_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
   // [overlapped] reshape t4_q (gpt_block.ccn)
@@ -12485,56 +12541,58 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped] matmul t9_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped] reshape t10_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped] matmul t9_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t8_v, v_t11_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t10_v, nullptr, 1.0f, stream)) {  // t9_v = matmul, then bias(t10_v) -> t11_v
+    coconet::cuda::matmul<float>(v_n1, v_t8_v, v_t9_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
+          coconet::cuda::Vec<float, 4> out_t11_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+            out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
+          v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped] kernel: t11_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
-        coconet::cuda::Vec<float, 4> out_t11_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-          out_t11_v[u] = coconet::from_compute<float>(x_t11_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t11_v = coconet::round_to<float>(coconet::to_compute(v_t9_v[i]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
-        v_t11_v[i] = coconet::from_compute<float>(x_t11_v);
-      }
-    });
-  }
+  // kernel t11_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped] reshape t12_v (gpt_block.ccn)
@@ -14463,56 +14521,58 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [default] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [default] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [default] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_qm, v_t2_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t1_q, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(t1_q) -> t2_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_t2_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+            out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [default] kernel: t2_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_t2_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
-      }
-    });
-  }
+  // kernel t2_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] reshape t3_q (gpt_block.ccn)
@@ -14543,56 +14603,58 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [default] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [default] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [default] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] reshape t11_v (gpt_block.ccn)
@@ -15060,56 +15122,58 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [fused] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [fused] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [fused] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_qm, v_t2_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t1_q, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(t1_q) -> t2_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_t2_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+            out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [fused] kernel: t2_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_t2_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
-      }
-    });
-  }
+  // kernel t2_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [fused] reshape t3_q (gpt_block.ccn)
@@ -15140,56 +15204,58 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [fused] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [fused] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [fused] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [fused] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [fused] reshape t11_v (gpt_block.ccn)
@@ -15695,56 +15761,58 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
-  // [overlapped] matmul qm (gpt_block.ccn:124)
-  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_3.end();
-  coconet::cuda::trace::Unit trace_4(4, stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  trace_3.end();
+  coconet::cuda::trace::Unit trace_4(4, stream);
+  // [overlapped] matmul qm (gpt_block.ccn:124)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t0_qm, v_t2_q, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t1_q, nullptr, 1.0f, stream)) {  // qm = matmul, then bias(t1_q) -> t2_q
+    coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+          coconet::cuda::Vec<float, 4> out_t2_q;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+            out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+        }
+      });
+    }
+  }
   trace_4.end();
   coconet::cuda::trace::Unit trace_5(5, stream);
-  // [overlapped] kernel: t2_q (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
-        coconet::cuda::Vec<float, 4> out_t2_q;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
-        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
-      }
-    });
-  }
+  // kernel t2_q: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [overlapped] reshape t3_q (gpt_block.ccn)
@@ -15775,56 +15843,58 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_12.end();
   coconet::cuda::trace::Unit trace_13(13, stream);
-  // [overlapped] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_13.end();
-  coconet::cuda::trace::Unit trace_14(14, stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_13.end();
+  coconet::cuda::trace::Unit trace_14(14, stream);
+  // [overlapped] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
-  // [overlapped] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [overlapped] reshape t11_v (gpt_block.ccn)
@@ -16453,56 +16523,58 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
   trace_11.end();
   coconet::cuda::trace::Unit trace_12(12, stream);
-  // [overlapped_both] matmul t8_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  trace_12.end();
-  coconet::cuda::trace::Unit trace_13(13, stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  trace_12.end();
+  coconet::cuda::trace::Unit trace_13(13, stream);
+  // [overlapped_both] matmul t8_v (gpt_block.ccn)
+  if (!coconet::cuda::matmul_epilogue<float>(v_n1, v_t7_v, v_t10_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t9_v, nullptr, 1.0f, stream)) {  // t8_v = matmul, then bias(t9_v) -> t10_v
+    coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+          coconet::cuda::Vec<float, 4> out_t10_v;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+            out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+        }
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+        }
+      });
+    }
+  }
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
-  // [overlapped_both] kernel: t10_v (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
-        coconet::cuda::Vec<float, 4> out_t10_v;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
-        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
-      }
-    });
-  }
+  // kernel t10_v: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
