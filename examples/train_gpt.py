@@ -438,13 +438,6 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     params: dict[str, torch.Tensor] = {}  # name as the reference model's -> this rank's part
     layouts: dict[str, Any] = {}
 
-    def mine(name: str, w: torch.Tensor) -> torch.Tensor:
-        q = decl[name.rsplit(".", 1)[1]]
-        part = w[layout.local_index(q, list(w.shape), T, t)].clone()
-        layouts[name] = q
-        params[name] = part.requires_grad_(True)
-        return params[name]
-
     H = a.hidden
     scale = 1.0 / math.sqrt(H // a.heads)
     held = [cut.stage(s, c) for c in range(V)]  # this rank's virtual stages
@@ -493,7 +486,9 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
             stage = cut.stage(s, c)
             ls = []
             for i in range(bounds[stage], bounds[stage + 1]):
-                ws = {n: mine(f"blocks.{i}.{n}", full["blocks"][i][n]) for n in block.weights}
+                ws = block.parts({n: full["blocks"][i][n] for n in block.weights})  # this rank's parts
+                for n, w in ws.items():
+                    params[f"blocks.{i}.{n}"], layouts[f"blocks.{i}.{n}"] = w, decl[n]
                 ls.append(block.layer(ws, scale=scale, pdrop=a.dropout, seed=i))
                 layers.append((i, ls[-1]))
             chunks.append(Chunk(ls, pre=pre if stage == 0 else None, post=post if stage == P * V - 1 else None))

@@ -102,6 +102,7 @@ class Block:
             raise ValueError(f"Block: {program} returns {len(outs)} values; a pipeline's block returns one "
                              f"(its next layer's {input!r})")
         self.output = outs[0]
+        self._decl = {q.name: q for q in p.params}
         self.replicated = q.type.layout.kind == "replicated"
         self.scalars = [q.name for q in p.params if q.scalar]
         self.weights = [n for n in self.params if n != input and n not in self.scalars]
@@ -147,6 +148,27 @@ class Block:
         label, names = self._results[fn.name]
         out = fn(schedule=label, comm=self.call_comm, **kw)
         return dict(zip(names, out if isinstance(out, tuple) else (out,)))
+
+    def parts(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's parts of one layer's whole WEIGHTS (name -> the whole tensor, as on one
+        process) in the block's layouts on its tensor-parallel group `comm`: each a new leaf
+        tensor (a copy) whose `.grad` the pipeline fills, for `layer`. A replicated weight's part
+        is all of it."""
+        from coconetc.runtime.layout import local_index
+        extra = sorted(set(weights) - set(self.weights))
+        if extra:
+            raise TypeError(f"Block.parts: {self.program} has no weight {extra[0]!r} (its weights: "
+                            f"{', '.join(self.weights)})")
+        size, rank = ((self.comm.Get_size(), self.comm.Get_rank()) if hasattr(self.comm, "Get_size")
+                      else (self.comm.size(), self.comm.rank()))
+        out = {}
+        for n, w in weights.items():
+            q = self._decl[n]
+            if w.dim() != len(q.type.shape):
+                raise ValueError(f"Block.parts: weights[{n!r}] has {w.dim()} dims; {self.program} declares "
+                                 f"{n}: {q.type}")
+            out[n] = w.detach()[local_index(q, list(w.shape), size, rank)].clone().requires_grad_(True)
+        return out
 
     def layer(self, params: dict[str, torch.Tensor], **scalars: Any) -> Layer:
         """One layer of this block: its weights (this rank's parts, leaf tensors whose `.grad`
