@@ -31,7 +31,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
         name, _, msg = ln.partition(" ")
         said.setdefault(name, []).append(msg)
     assert all(len(said[c]) == 2 and all(m.startswith("ok: ") for m in said[c])
-               for c in ("batch", "empty", "loss", "chunks", "target", "schedule")), log
+               for c in ("batch", "empty", "loss", "chunks", "target", "schedule", "parts", "dims")), log
     assert "does not divide into microbatches=4" in said["batch"][0] and "6 rows" in said["batch"][0], log
     assert "rank 0 refused" in said["batch"][1] and "6 rows" in said["batch"][1], log  # the last stage: told
     assert any("virtual stage 1 (rank 1, chunk 0) has no layers" in m for m in said["empty"]), log
@@ -40,6 +40,8 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert any("needs target=" in m for m in said["target"]), log
     assert all("grad_schedule='overlaped': gpt_block_grad has no such schedule (its schedules: 'overlapped'" in m
                for m in said["schedule"]), log
+    assert all("has no weight 'w_qkv' (its weights: ln1_w" in m for m in said["parts"]), log
+    assert all("weights['wq'] has 2 dims; gpt_block declares wq: f32[H, NH, HD]" in m for m in said["dims"]), log
     assert len(said["step"]) == 2 and float(said["step"][0 if "sent" in said["step"][1] else 1][4:]) > 0, log
     # a batch's shape seen before: each rank's 2 boundaries (an activation, a gradient) known, the
     # receives posted ahead without headers; the same losses and gradients as the headers' step
