@@ -10,15 +10,18 @@ batches of 10 calls (microseconds per call, the slowest rank) and writes
 bench/results/call_overhead.json. For a before/after comparison, run it once with this tree
 and once with PYTHONPATH pointing at another checkout (the table names the coconetc it
 imported). References measured in the same run: an mpi4py allgather of a
-small dict (what a pickled exchange costs) and an MPI barrier."""
+small dict (what a pickled exchange costs) and an MPI barrier. The last two rows are the
+default schedule's calls again under `coconetc.trace` (tracing on)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,6 +104,17 @@ def main() -> int:
                      _per_call(comm, _adam_new(mod, comm, a.n, True), a.reps)))
     except ImportError:
         pass
+    # the same two calls traced (docs/tracing.md): each call's units recorded and kept, the
+    # files written into a folder of this rank's own when the block ends, then removed
+    folder = tempfile.mkdtemp(prefix="coconet-trace-")
+    try:
+        with coconetc.trace(folder):
+            rows.append((f"adam(schedule='default'), N = {a.n}, traced",
+                         _per_call(comm, _adam(mod, "default", comm, a.n), a.reps)))
+            rows.append((f"adam(), N = {a.n}, new arrays each call, traced",
+                         _per_call(comm, _adam_new(mod, comm, a.n, False), a.reps)))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     if comm.Get_rank() == 0:
         where = str(Path(coconetc.__file__).resolve().parent.parent)
         width = max(len(n) for n, _ in rows)
