@@ -159,8 +159,7 @@ class Block:
         if extra:
             raise TypeError(f"Block.parts: {self.program} has no weight {extra[0]!r} (its weights: "
                             f"{', '.join(self.weights)})")
-        size, rank = ((self.comm.Get_size(), self.comm.Get_rank()) if hasattr(self.comm, "Get_size")
-                      else (self.comm.size(), self.comm.rank()))
+        size, rank = self.comm.Get_size(), self.comm.Get_rank()
         out = {}
         for n, w in weights.items():
             q = self._decl[n]
