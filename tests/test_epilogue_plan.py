@@ -237,3 +237,28 @@ def test_layernorm_dx_carries_the_residual_added_after_it():
     assert (str(epi), why) == ("residual(d_y) -> d_x", "")
     units[i + 1] = replace(loop, items=(Item("d_x", replace(loop.items[0].expr, op="mul")),))
     assert epilogue_of(units, i, buffers) == (None, "the loop computes d_x from 't0_d_x' as no residual")
+
+
+def test_layernorm_dx_carries_its_layernorms_weight_and_bias_gradients():
+    """plan/lngrads.py: the layernorm_dx call computes the later layernorm_dgamma of the same x and
+    g and the sum_lead of g (on the CPU, one pass: grad.h layernorm_dx_grads, which
+    runtime_cpp/tests/test_gemm.cpp checks bit for bit against the three calls); not when a unit
+    between writes g. Compiled against the interpreter: tests/test_grad_backends.py (layernorm.ccn's
+    attn_out, whose plan carries them too) and tests/test_gpt_block.py."""
+    from coconetc.plan.lngrads import carried, grads_of
+    from coconetc.plan.units import Item, LayernormGrads, Loop
+    from coconetc.sourcefile import with_grads
+    plan = with_grads(load_source(LN, "p.ccn"), ["p"]).plans[("p_grad", "default")]
+    assert _matmul(plan, "t0_d_x").grads == LayernormGrads("d_gamma", "d_beta", ("cpu",))
+    assert carried(plan.units, "cpu") == {"d_gamma": "t0_d_x", "d_beta": "t0_d_x"} and not carried(plan.units, "cuda")
+    assert "also dgamma d_gamma and dbeta d_beta (cpu: in this call; cuda: their calls on their own)" in show(plan)
+    units = [replace(v, grads=None) if isinstance(v, Library) else v for v in plan.units]
+    i = units.index(next(v for v in units if isinstance(v, Library) and v.dst == "t0_d_x"))
+    buffers = {b.name: b for b in plan.buffers}
+    loop = units[i + 1]
+    assert isinstance(loop, Loop)
+    units[i + 1] = replace(loop, items=(*loop.items, Item("d_y", loop.items[0].expr)))  # g written in between
+    assert grads_of(units, i, buffers) is None
+    mod = load_source((REPO / "examples" / "layernorm.ccn").read_text(), "examples/layernorm.ccn")
+    grad = with_grads(mod, ["attn_out"]).plans[("attn_out_grad", "default")]
+    assert any(isinstance(u, Library) and u.grads and u.grads.dgamma and u.grads.dbeta for u in grad.units)

@@ -9,7 +9,7 @@ at the directive that asked for it, so `coconetc check` reports it.
 
 The passes, in order, are one flat list, PASSES: lowering (what runs, the same for every
 target), epilogues (plan/epilogue.py), attention calls (plan/attention.py), column sums
-(plan/colsums.py), the per-target decisions (plan/targets.py: each target's algorithms and
+(plan/colsums.py), layernorm gradients (plan/lngrads.py), the per-target decisions (plan/targets.py: each target's algorithms and
 chunking, buffer placement, what a target does not implement, located) and the verifier
 (plan/verify.py). `coconetc show --format plan --after NAME` prints the plan after any of them."""
 
@@ -27,6 +27,7 @@ from coconetc.ir.types import TType
 from coconetc.plan import attention
 from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
+from coconetc.plan.lngrads import with_grads
 from coconetc.plan.prefetch import with_prefetch
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fed_matmul,
                                            fused_spec, gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of,
@@ -61,6 +62,10 @@ def _colsums(plan: Plan, p: Program) -> Plan:
     return replace(plan, units=tuple(with_colsums(list(plan.units), {b.name: b for b in plan.buffers}, skip)))
 
 
+def _lngrads(plan: Plan, p: Program) -> Plan:
+    return replace(plan, units=tuple(with_grads(list(plan.units), {b.name: b for b in plan.buffers})))
+
+
 def _decide(plan: Plan, p: Program) -> Plan:
     return decide(plan, lambda u: _locate(p, u))
 
@@ -86,6 +91,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("epilogues", _epilogues, "each GEMM or row-wise call with the loop after it that it can carry as an epilogue"),
     Pass("attention", _attention, "the causal attention chains that run as one call"),
     Pass("colsums", _colsums, "each column sum carried by the loop that writes its operand"),
+    Pass("lngrads", _lngrads, "each layernorm's weight and bias gradients carried by its input gradient's call"),
     Pass("decide", _decide, "every target's decisions: where each buffer lives, reshapes as views, each unit's "
                             "strategy, and what each target does not implement"),
     Pass("verify", _verify, "the checks every plan passes (each buffer written before it is read, ...)"),

@@ -10,7 +10,7 @@ from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import BACKENDS
 from coconetc.plan.targets import TARGETS, gathered_lives
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
-from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
+from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, LayernormGrads, Let, Library, Loop,
                                  GatherMatmul, Overlap, Partials, Plan, Reduce, Require, StartGather, Strategy, Unit, title)
 
 
@@ -124,6 +124,12 @@ def _colsum_on(plan: Plan, c: ColSum) -> str:
     return "; ".join(f"{b}: {where(b)}" for b in BACKENDS)
 
 
+def _grads(g: LayernormGrads) -> str:
+    """What a layernorm_dx call also computes (Library.grads, plan/lngrads.py), and where."""
+    also = " and ".join(f"{what} {n}" for what, n in (("dgamma", g.dgamma), ("dbeta", g.dbeta)) if n)
+    return f"also {also} ({'; '.join(f'{b}: ' + ('in this call' if b in g.on else 'their calls on their own') for b in BACKENDS)})"
+
+
 def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, Loop):
         dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
@@ -136,6 +142,7 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
         epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(plan, u)})"] if u.epilogue else []
+        epi += [f"{ind}        {_grads(u.grads)}"] if u.grads else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {ops.shown(u.op)}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         wait = " (prefetched: waits for its start above)" if u.prefetched else ""

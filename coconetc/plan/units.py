@@ -143,6 +143,19 @@ class Library:
     line: int = 0
     epilogue: Epilogue | None = None
     fused: tuple[str, ...] = ()
+    grads: LayernormGrads | None = None
+
+
+@dataclass(frozen=True)
+class LayernormGrads:
+    """A layernorm_dx call that also computes its layernorm's weight and bias gradients
+    (plan/lngrads.py): dgamma, the result of a later layernorm_dgamma of the same x, g and eps,
+    and dbeta, of a later sum_lead of the same g ("" where there is none), on the backends `on`
+    (in one pass over x and g); elsewhere those units compute them on their own."""
+
+    dgamma: str
+    dbeta: str
+    on: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -563,7 +576,7 @@ def _may_write(u: Unit, name: str) -> bool:
     """Whether unit U may write NAME: a library call writes its dst only; any other unit that
     touches NAME may (the conservative answer for loops, collectives, fused units)."""
     if isinstance(u, Library):
-        return u.dst == name
+        return u.dst == name or (u.grads is not None and name in (u.grads.dgamma, u.grads.dbeta))
     return _touches(u, {name})
 
 
@@ -577,7 +590,7 @@ def _touches(u: Unit, names: set[str]) -> bool:
     if isinstance(u, Reduce):
         return bool({u.dst, u.src} & names)
     if isinstance(u, Library):
-        return bool({u.dst, *u.args} & names)
+        return bool({u.dst, *u.args, *((u.grads.dgamma, u.grads.dbeta) if u.grads else ())} & names)
     if isinstance(u, Collective):
         return bool({u.dst, u.src, u.into, u.packed} & names)
     if isinstance(u, Copy):

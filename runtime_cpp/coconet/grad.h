@@ -142,6 +142,49 @@ void layernorm_dgamma(const T* x, const T* g, T* dgamma, double eps, int64_t row
   for (int64_t j = 0; j < h; ++j) dgamma[j] = from_compute<T>(acc[static_cast<size_t>(j)]);
 }
 
+// layernorm_dx, layernorm_dgamma and the bias's sum_lead(g) in one pass over x and g (the plan's
+// layernorm gradients, plan/lngrads.py): dx as layernorm_dx computes it (add: its residual), and,
+// where dgamma / dbeta are not nullptr, dgamma[j] += g * xhat and dbeta[j] += g in the compute
+// type, row by row in row order with the row's statistics as layernorm_dgamma's, so each is the
+// separate call's bit for bit. A row of x and g is read from memory once instead of three times.
+template <class T>
+void layernorm_dx_grads(const T* x, const T* gamma, const T* g, T* dx, T* dgamma, T* dbeta, double eps,
+                        int64_t rows, int64_t h, const T* add = nullptr) {
+  using C = compute_t<T>;
+  std::vector<C> ag(static_cast<size_t>(dgamma && h > 0 ? h : 0), C(0));
+  std::vector<C> ab(static_cast<size_t>(dbeta && h > 0 ? h : 0), C(0));
+  const RowLoop<C> row{h};
+  const auto sum = [&](auto f) { return row.sum(f); };
+  const C e = static_cast<C>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *xr = x + r * h, *gr = g + r * h;
+    T* dr = dx + r * h;
+    const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
+    const auto gj = [&](int64_t j) { return C(to_compute(gr[j])); };
+    // layernorm_dx_of's sums and layernorm_dgamma's statistics (the same layernorm_stats)
+    C mean, rstd;
+    layernorm_stats(xj, e, h, sum, mean, rstd);
+    const C md = sum([&](int64_t j) { return C(gj(j) * C(to_compute(gamma[j]))); }) / static_cast<C>(h);
+    const C mp = sum([&](int64_t j) { return C(gj(j) * C(to_compute(gamma[j])) * ((xj(j) - mean) * rstd)); }) /
+                 static_cast<C>(h);
+    const T* ar = add ? add + r * h : nullptr;
+    C* pg = ag.data();
+    C* pb = ab.data();
+    for (int64_t j = 0; j < h; ++j) {
+      const C gv = gj(j), xv = xj(j);
+      const C dxhat = gv * C(to_compute(gamma[j]));
+      const C v = rstd * (dxhat - md - (xv - mean) * rstd * mp);
+      dr[j] = ar ? from_compute<T>(to_compute(ar[j]) + to_compute(from_compute<T>(v))) : from_compute<T>(v);
+      if (dgamma) pg[j] += gv * ((xv - mean) * rstd);
+      if (dbeta) pb[j] += gv;
+    }
+  }
+  for (int64_t j = 0; j < h; ++j) {
+    if (dgamma) dgamma[j] = from_compute<T>(ag[static_cast<size_t>(j)]);
+    if (dbeta) dbeta[j] = from_compute<T>(ab[static_cast<size_t>(j)]);
+  }
+}
+
 // dx[n, c, y, z] = sum over o, p, q of g[n, o, i, j] w[o, c, p, q] where y = i * stride + p - pad
 // and z = j * stride + q - pad (conv2d's input gradient: each input element gathers the outputs
 // whose window covered it).

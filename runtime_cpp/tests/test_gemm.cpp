@@ -2,7 +2,10 @@
 // loop in double, with empty dims and leading dimensions larger than the rows.
 #include <limits>
 
+#include <cstring>
+
 #include "coconet/gemm.h"
+#include "coconet/grad.h"
 #include "test_util.h"
 
 namespace t {
@@ -119,6 +122,38 @@ void gemm_steps_case(int64_t M, int64_t K, int64_t N, int max_steps) {
   same(C2, want, rtol, label("gemm (blocked widening) M K N", M, K, N));
 }
 
+// grad.h layernorm_dx_grads (plan/lngrads.py): dx, dgamma and dbeta of one pass are the three
+// separate calls' (layernorm_dx, layernorm_dgamma, sum_lead) bit for bit, with and without the
+// residual, and with either gradient left out (nullptr: nothing written there).
+template <class T>
+void layernorm_grads_case(int64_t rows, int64_t h, bool with_add) {
+  const size_t n = static_cast<size_t>(rows * h), hn = static_cast<size_t>(h);
+  std::vector<T> x(n), g(n), add(n), gam(hn);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = make<T>(uniform(11, 0, int64_t(i)) * 3.0);
+    g[i] = make<T>(uniform(12, 0, int64_t(i)));
+    add[i] = make<T>(uniform(13, 0, int64_t(i)));
+  }
+  for (int64_t j = 0; j < h; ++j) gam[size_t(j)] = make<T>(1.0 + uniform(14, 0, j));
+  const T* a = with_add ? add.data() : nullptr;
+  std::vector<T> dx(n), dgam(hn), dbet(hn);
+  layernorm_dx<T>(x.data(), gam.data(), g.data(), dx.data(), 1e-5, rows, h, a);
+  layernorm_dgamma<T>(x.data(), g.data(), dgam.data(), 1e-5, rows, h);
+  sum_lead<T>(g.data(), dbet.data(), rows, h);
+  const auto bits = [](const std::vector<T>& u, const std::vector<T>& v) {
+    return u.size() == v.size() && std::memcmp(u.data(), v.data(), u.size() * sizeof(T)) == 0;
+  };
+  for (int which = 0; which < 3; ++which) {  // both, dgamma only, dbeta only
+    std::vector<T> dx2(n), dg2(hn, make<T>(77)), db2(hn, make<T>(77));
+    layernorm_dx_grads<T>(x.data(), gam.data(), g.data(), dx2.data(), which != 2 ? dg2.data() : nullptr,
+                          which != 1 ? db2.data() : nullptr, 1e-5, rows, h, a);
+    const std::string what = label("layernorm_dx_grads rows h add which", rows, h, int(with_add), which);
+    check(bits(dx2, dx), what + ": dx");
+    check(which == 2 ? bits(dg2, std::vector<T>(hn, make<T>(77))) : bits(dg2, dgam), what + ": dgamma");
+    check(which == 1 ? bits(db2, std::vector<T>(hn, make<T>(77))) : bits(db2, dbet), what + ": dbeta");
+  }
+}
+
 }  // namespace
 
 void test_gemm() {
@@ -128,6 +163,16 @@ void test_gemm() {
     gemm_steps_case<decltype(tag)>(1030, 17, 9, 4);
     gemm_steps_case<decltype(tag)>(3000, 300, 100, 3);  // f16/bf16: two widening blocks
     gemm_steps_case<decltype(tag)>(100, 5, 7, 4);       // fewer rows than one step
+  });
+  for_each_dtype([&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_integral<T>::value) {
+      for (bool with_add : {false, true}) {
+        layernorm_grads_case<T>(37, 100, with_add);  // h not a multiple of the row loop's lanes
+        layernorm_grads_case<T>(5, 1024, with_add);
+        layernorm_grads_case<T>(0, 16, with_add);
+      }
+    }
   });
 }
 

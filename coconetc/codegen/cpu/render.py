@@ -26,6 +26,7 @@ from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.attention import unwritten
 from coconetc.plan.colsums import fused_sums
+from coconetc.plan.lngrads import carried
 from coconetc.plan.epilogue import accumulates, fused_loop, residual_only
 from coconetc.ir.rng_keys import site_key
 from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
@@ -46,6 +47,7 @@ class CpuRenderer:
         self.fused_loop: Loop | None = None
         self.fused_by = ""  # the operation whose call renders fused_loop
         self.colsums = fused_sums(plan.units, "cpu")  # sum_leads the loops compute (plan/colsums.py)
+        self.lngrads = carried(plan.units, "cpu")  # what layernorm_dx calls compute beside dx (plan/lngrads.py)
         self.attention = {id(plan.units[i]): (a, i == a.members[-1])
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
         # the values only an attention call's members compute, which the call does not write: no memory
@@ -206,6 +208,12 @@ class CpuRenderer:
         if u.op == "sum_lead" and u.dst in self.colsums:
             self.w.emit(f"// {u.dst}: summed by the loop that computes {u.args[0]} (plan: column sums)")
             return
+        if u.dst in self.lngrads:
+            self.w.emit(f"// {u.dst}: computed by {self.lngrads[u.dst]}'s layernorm_dx (plan: layernorm gradients)")
+            return
+        if u.op == "layernorm_dx" and u.grads is not None and "cpu" in u.grads.on:
+            self.w.emit(f"coconet::layernorm_dx_grads<{ct}>({', '.join(self._with_grads(u, library_calls.call_args(self.w, u)))});")
+            return
         if u.op in library_calls.OPS:  # gemm.h, kernels.h, grad.h
             self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))});")
             return
@@ -217,6 +225,14 @@ class CpuRenderer:
         self.w.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                   f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
 
+    @staticmethod
+    def _with_grads(u: Library, args: list[str]) -> list[str]:
+        """A layernorm_dx call's arguments (x, gamma, g, dx, eps, ...) with the dgamma and dbeta
+        it carries after dx (grad.h layernorm_dx_grads; nullptr for one it does not)."""
+        assert u.grads is not None
+        extra = [f"v_{n}" if n else "nullptr" for n in (u.grads.dgamma, u.grads.dbeta)]
+        return [*args[:4], *extra, *args[4:]]
+
     def _epilogue(self, u: Library, ct: str) -> bool:
         """A matmul whose plan fuses its epilogue on the CPU (Library.fused, plan/epilogue.py) and
         the loop after it, as one blocked pass (CpuLoops.render_epilogue); False when it is
@@ -227,8 +243,12 @@ class CpuRenderer:
         if loop is None:
             return False
         if residual_only(u.op):  # residual(r): the call writes the loop's value, r added to each row
-            self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.rowwise_args(self.w, u, loop))});  "
-                        f"// {u.dst}, then {u.epilogue}")
+            args = library_calls.rowwise_args(self.w, u, loop)
+            if u.grads is not None and "cpu" in u.grads.on:
+                self.w.emit(f"coconet::{u.op}_grads<{ct}>({', '.join(self._with_grads(u, args))});  "
+                            f"// {u.dst}, then {u.epilogue}")
+            else:
+                self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(args)});  // {u.dst}, then {u.epilogue}")
             self.fused_loop, self.fused_by = loop, u.op
             return True
         if accumulates(u, loop, self.w.buffers):

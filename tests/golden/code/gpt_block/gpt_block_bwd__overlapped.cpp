@@ -281,18 +281,18 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   trace_13.end();
   coconet::trace::Unit trace_14(14);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  coconet::layernorm_dx_grads<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, v_d_ln2_w, v_d_ln2_b, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_14.end();
   coconet::trace::Unit trace_15(15);
   // loop g_x1: the epilogue of the layernorm_dx above
   trace_15.end();
   coconet::trace::Unit trace_16(16);
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
+  // d_ln2_w: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_16.end();
   coconet::trace::Unit trace_17(17);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  // d_ln2_b: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_17.end();
   coconet::trace::Unit trace_18(18);
   // [overlapped] loop: g_x1_add (gpt_block.ccn)
@@ -490,18 +490,18 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   trace_54.end();
   coconet::trace::Unit trace_55(55);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  coconet::layernorm_dx_grads<float>(v_x, v_ln1_w, v_g_n1, v_d_x, v_d_ln1_w, v_d_ln1_b, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_55.end();
   coconet::trace::Unit trace_56(56);
   // loop d_x: the epilogue of the layernorm_dx above
   trace_56.end();
   coconet::trace::Unit trace_57(57);
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  // d_ln1_w: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_57.end();
   coconet::trace::Unit trace_58(58);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H);
+  // d_ln1_b: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_58.end();
 }
 

@@ -540,18 +540,18 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   trace_40.end();
   coconet::trace::Unit trace_41(41);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  coconet::layernorm_dx_grads<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, v_d_ln2_w, v_d_ln2_b, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_41.end();
   coconet::trace::Unit trace_42(42);
   // loop g_x1: the epilogue of the layernorm_dx above
   trace_42.end();
   coconet::trace::Unit trace_43(43);
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
+  // d_ln2_w: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_43.end();
   coconet::trace::Unit trace_44(44);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H);
+  // d_ln2_b: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_44.end();
   coconet::trace::Unit trace_45(45);
   // [default] loop: g_x1_add (gpt_block.ccn)
@@ -775,18 +775,18 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   trace_85.end();
   coconet::trace::Unit trace_86(86);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  coconet::layernorm_dx_grads<float>(v_x, v_ln1_w, v_g_n1, v_d_x, v_d_ln1_w, v_d_ln1_b, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_86.end();
   coconet::trace::Unit trace_87(87);
   // loop d_x: the epilogue of the layernorm_dx above
   trace_87.end();
   coconet::trace::Unit trace_88(88);
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
+  // d_ln1_w: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_88.end();
   coconet::trace::Unit trace_89(89);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H);
+  // d_ln1_b: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_89.end();
 }
 

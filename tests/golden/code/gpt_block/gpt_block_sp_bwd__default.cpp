@@ -306,18 +306,18 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
   trace_15.end();
   coconet::trace::Unit trace_16(16);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  coconet::layernorm_dx_grads<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, v_g_ln2_w_part, v_g_ln2_b_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_16.end();
   coconet::trace::Unit trace_17(17);
   // loop g_x1: the epilogue of the layernorm_dx above
   trace_17.end();
   coconet::trace::Unit trace_18(18);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln2_w_part: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_18.end();
   coconet::trace::Unit trace_19(19);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln2_b_part: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_19.end();
   coconet::trace::Unit trace_20(20);
   // [default] loop: g_x1_add (gpt_block.ccn)
@@ -561,18 +561,18 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
   trace_61.end();
   coconet::trace::Unit trace_62(62);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  coconet::layernorm_dx_grads<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, v_g_ln1_w_part, v_g_ln1_b_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_62.end();
   coconet::trace::Unit trace_63(63);
   // loop d_x: the epilogue of the layernorm_dx above
   trace_63.end();
   coconet::trace::Unit trace_64(64);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln1_w_part: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_64.end();
   coconet::trace::Unit trace_65(65);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln1_b_part: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_65.end();
   coconet::trace::Unit trace_66(66);
   // [default] allreduce d_b_proj (gpt_block.ccn)

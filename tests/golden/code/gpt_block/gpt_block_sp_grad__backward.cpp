@@ -821,18 +821,18 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   trace_79.end();
   coconet::trace::Unit trace_80(80);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  coconet::layernorm_dx_grads<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, v_g_ln1_w_part, v_g_ln1_b_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
   trace_80.end();
   coconet::trace::Unit trace_81(81);
   // loop d_x: the epilogue of the layernorm_dx above
   trace_81.end();
   coconet::trace::Unit trace_82(82);
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln1_w_part: computed by t5_d_x's layernorm_dx (plan: layernorm gradients)
   trace_82.end();
   coconet::trace::Unit trace_83(83);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln1_b_part: computed by t5_d_x's layernorm_dx (plan: layernorm gradients)
   trace_83.end();
   coconet::trace::Unit trace_84(84);
   // [backward] allreduce d_b_proj (gpt_block.ccn)

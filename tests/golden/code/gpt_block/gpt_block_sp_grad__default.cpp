@@ -580,18 +580,18 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   trace_43.end();
   coconet::trace::Unit trace_44(44);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  coconet::layernorm_dx_grads<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, v_g_ln2_w_part, v_g_ln2_b_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
   trace_44.end();
   coconet::trace::Unit trace_45(45);
   // loop g_x1: the epilogue of the layernorm_dx above
   trace_45.end();
   coconet::trace::Unit trace_46(46);
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln2_w_part: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_46.end();
   coconet::trace::Unit trace_47(47);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln2_b_part: computed by t0_g_x1's layernorm_dx (plan: layernorm gradients)
   trace_47.end();
   coconet::trace::Unit trace_48(48);
   // [default] loop: g_x1_add (gpt_block.ccn)
@@ -835,18 +835,18 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   trace_89.end();
   coconet::trace::Unit trace_90(90);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  coconet::layernorm_dx_grads<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, v_g_ln1_w_part, v_g_ln1_b_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
   trace_90.end();
   coconet::trace::Unit trace_91(91);
   // loop d_x: the epilogue of the layernorm_dx above
   trace_91.end();
   coconet::trace::Unit trace_92(92);
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
-  coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln1_w_part: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_92.end();
   coconet::trace::Unit trace_93(93);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_ln1_b_part: computed by t6_d_x's layernorm_dx (plan: layernorm gradients)
   trace_93.end();
   coconet::trace::Unit trace_94(94);
   // [default] allreduce d_b_proj (gpt_block.ccn)
