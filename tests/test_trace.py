@@ -129,7 +129,8 @@ def test_explain_measure_prints_each_unit_measured_against_the_model(tmp_path):
 
 
 def test_explain_measure_gives_what_runs_as_one_a_row():
-    """Units the CPU runs as one (an attention core's members, a GEMM and its epilogue loop) are
+    """Units the CPU runs as one (an attention core's members, a GEMM and its epilogue loop, a
+    layernorm_dx and the weight and bias gradients it computes) are
     one row of explain --measure: the time the trace gives their last mark (the others are
     empty), against the sum of their predictions; a reshape held in its source's memory is
     predicted free. A made-up trace of gpt_block's plan: each unit's mark 1 us + its index."""
@@ -158,3 +159,13 @@ def test_explain_measure_gives_what_runs_as_one_a_row():
     assert fused["units"] == [gemm, gemm + 1] and fused["measured_s"] == pytest.approx(1e-6 * (2 * gemm + 3))
     views = [i for i, u in enumerate(plan.units) if isinstance(u, Library) and u.op == "reshape"]
     assert views and all(parts[i][1].seconds() == 0 for i in views)
+    # a layernorm_dx and the dgamma and dbeta it computes (plan/lngrads.py): one row, with its epilogue
+    from coconetc.sourcefile import with_grads
+    grad = with_grads(mod, ["gpt_block"])
+    plan = grad.plans[("gpt_block_grad", "default")]
+    events = [{"ph": "X", "cat": "call", "ts": 0.0, "dur": 1e6}] + \
+        [{"ph": "X", "cat": "unit", "ts": 1.0 + i, "dur": 1.0, "args": {"unit_index": i}} for i in range(len(plan.units))]
+    rows = {r["unit"]: r for r in ex.measured_units(grad, "gpt_block_grad", "default", 1, sizes, [{"traceEvents": events}])["units"]}
+    dx = next(i for i, u in enumerate(plan.units) if isinstance(u, Library) and u.dst == "t0_g_x1")
+    row = rows["layernorm_dx t0_g_x1 + epilogue loop: g_x1 + layernorm_dgamma d_ln2_w + sum_lead d_ln2_b"]
+    assert row["units"][:2] == [dx, dx + 1] and len(row["units"]) == 4 and row["measured_s"] == pytest.approx(4e-6)

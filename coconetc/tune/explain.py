@@ -157,12 +157,23 @@ def _one_run(plan: Plan) -> dict[int, tuple[list[int], str]]:
     """The units the CPU runs as one and their row's name, by the unit whose trace mark times
     them all (the others' marks are empty): an attention core's members, by its last
     (Plan.attention); a GEMM and the loop after it that it computes as its epilogue
-    (Library.epilogue), by the GEMM."""
+    (Library.epilogue), by the GEMM; a layernorm_dx and the layernorm_dgamma and sum_lead whose
+    results it computes (Library.grads, plan/lngrads.py), by the layernorm_dx."""
     groups = {a.members[-1]: (list(a.members), f"attention {a.kind} call (units {a.members[0]}-{a.members[-1]})")
               for a in plan.attention if "cpu" in a.fused}
+    made = {u.dst: i for i, u in enumerate(plan.units) if isinstance(u, Library)}
     for i, u in enumerate(plan.units):
-        if isinstance(u, Library) and u.epilogue is not None and "cpu" in u.fused and i + 1 < len(plan.units):
-            groups[i] = ([i, i + 1], f"{title(u)} + epilogue {title(plan.units[i + 1])}")
+        if not isinstance(u, Library):
+            continue
+        members, name = [i], title(u)
+        if u.epilogue is not None and "cpu" in u.fused and i + 1 < len(plan.units):
+            members, name = [i, i + 1], f"{title(u)} + epilogue {title(plan.units[i + 1])}"
+        if u.grads is not None and "cpu" in u.grads.on:
+            also = [made[n] for n in (u.grads.dgamma, u.grads.dbeta) if n]
+            members += also
+            name += "".join(f" + {title(plan.units[k])}" for k in also)
+        if len(members) > 1:
+            groups[i] = (members, name)
     return groups
 
 
