@@ -161,21 +161,16 @@ void layernorm_dx_grads(const T* x, const T* gamma, const T* g, T* dx, T* dgamma
     T* dr = dx + r * h;
     const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
     const auto gj = [&](int64_t j) { return C(to_compute(gr[j])); };
-    // layernorm_dx_of's sums and layernorm_dgamma's statistics (the same layernorm_stats)
-    C mean, rstd;
-    layernorm_stats(xj, e, h, sum, mean, rstd);
-    const C md = sum([&](int64_t j) { return C(gj(j) * C(to_compute(gamma[j]))); }) / static_cast<C>(h);
-    const C mp = sum([&](int64_t j) { return C(gj(j) * C(to_compute(gamma[j])) * ((xj(j) - mean) * rstd)); }) /
-                 static_cast<C>(h);
+    // layernorm_dx_of's sums, their statistics layernorm_dgamma's (the same layernorm_stats)
+    const LayernormDxRow<C> s = layernorm_dx_sums(xj, gamma, gj, e, h, sum);
     const T* ar = add ? add + r * h : nullptr;
     C* pg = ag.data();
     C* pb = ab.data();
     for (int64_t j = 0; j < h; ++j) {
       const C gv = gj(j), xv = xj(j);
-      const C dxhat = gv * C(to_compute(gamma[j]));
-      const C v = rstd * (dxhat - md - (xv - mean) * rstd * mp);
+      const C v = s.dx(xv, gv * C(to_compute(gamma[j])));
       dr[j] = ar ? from_compute<T>(to_compute(ar[j]) + to_compute(from_compute<T>(v))) : from_compute<T>(v);
-      if (dgamma) pg[j] += gv * ((xv - mean) * rstd);
+      if (dgamma) pg[j] += gv * s.xhat(xv);
       if (dbeta) pb[j] += gv;
     }
   }

@@ -99,18 +99,29 @@ COCONET_HD inline void layernorm_of(X x, const G* g, const B* b, C eps, int64_t 
 // dxhat = dy * gamma, dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), as
 // coconetc/autodiff/ops.py's reference. dy(j) reads the cotangent's element j in C; sum, each
 // and out as layernorm_of's.
+// One row's sums for its input gradient (layernorm_dx_sums) and the formulas over them: an
+// element's xhat, and its dx from x and dxhat = dy * gamma. layernorm_dx_of and grad.h's
+// layernorm_dx_grads (which adds dgamma's g * xhat as it goes) share them.
+template <class C>
+struct LayernormDxRow {
+  C mean, rstd, md, mp;  // the row's statistics (layernorm_stats), mean(dxhat), mean(dxhat * xhat)
+  COCONET_HD C xhat(C x) const { return (x - mean) * rstd; }
+  COCONET_HD C dx(C x, C dxhat) const { return rstd * (dxhat - md - (x - mean) * rstd * mp); }
+};
+
+template <class C, class X, class G, class D, class Sum>
+COCONET_HD inline LayernormDxRow<C> layernorm_dx_sums(X x, const G* gamma, D dy, C eps, int64_t H, Sum sum) {
+  LayernormDxRow<C> r;
+  layernorm_stats(x, eps, H, sum, r.mean, r.rstd);
+  r.md = sum([&](int64_t j) { return C(dy(j) * C(to_compute(gamma[j]))); }) / static_cast<C>(H);
+  r.mp = sum([&](int64_t j) { return C(dy(j) * C(to_compute(gamma[j])) * r.xhat(x(j))); }) / static_cast<C>(H);
+  return r;
+}
+
 template <class C, class X, class G, class D, class Sum, class Each, class Out>
 COCONET_HD inline void layernorm_dx_of(X x, const G* gamma, D dy, C eps, int64_t H, Sum sum, Each each, Out out) {
-  C mean, rstd;
-  layernorm_stats(x, eps, H, sum, mean, rstd);
-  const C md = sum([&](int64_t j) { return C(dy(j) * C(to_compute(gamma[j]))); }) / static_cast<C>(H);
-  const C mp = sum([&](int64_t j) {
-    return C(dy(j) * C(to_compute(gamma[j])) * ((x(j) - mean) * rstd));
-  }) / static_cast<C>(H);
-  each([&](int64_t j) {
-    const C dxhat = dy(j) * C(to_compute(gamma[j]));
-    out(j, rstd * (dxhat - md - (x(j) - mean) * rstd * mp));
-  });
+  const LayernormDxRow<C> r = layernorm_dx_sums(x, gamma, dy, eps, H, sum);
+  each([&](int64_t j) { out(j, r.dx(x(j), dy(j) * C(to_compute(gamma[j])))); });
 }
 
 // The sum of f(j) over j in [0, h) (in C) and f(j) for each j: one thread's row (layernorm_of,
