@@ -23,6 +23,10 @@ gradients left in .grad; no optimizer step, no tied-embedding all-reduce, in eit
 Per (P, M, order):
   * iteration time: median over --reps steps (after one warm-up step) of the slowest rank's
     time from a barrier to the end of its step; coconet's and torch's steps alternate;
+  * action times: the median F, B (and W) of coconet's events (their work) and of torch's stage
+    calls (forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) over every rank and
+    timed step, and torch's over coconet's: where every rank's stage is waiting on the other's,
+    as in GPipe and 1F1B, the step's ratio is close to these;
   * measured bubble (coconet): 1 - busy / (P x makespan) from Pipeline.events of every rank
     (times from the step's start, right after a barrier; gathered to rank 0), median over the
     steps;
@@ -338,20 +342,30 @@ def torch_step(tp: dict[str, Any], idx: Any, tgt: Any, live: list[int]) -> float
     return float(sum(float(x) for x in losses) / len(losses)) if tp["last"] else None
 
 
-def watch_live(tp: dict[str, Any], peak: list[int]) -> None:
-    """PEAK[0]: the most micro-batches (per stage) whose forward state this rank's stages hold at once."""
+def watch_live(tp: dict[str, Any], peak: list[int], times: dict[str, list[float]]) -> None:
+    """PEAK[0]: the most micro-batches (per stage) whose forward state this rank's stages hold at
+    once. TIMES: each action's seconds by kind (F: forward_one_chunk, its loss on the last stage
+    included; B: backward_one_chunk, a full backward or, split, the input gradient; W:
+    backward_weight_one_chunk), as coconet's Event times its actions (torch's receives are
+    waited for before the call, so no wait is in them)."""
     stages = tp["stages"]
 
     def count() -> None:
         peak[0] = max(peak[0], sum(len(s.fwd_cache) + len(s.backward_state) for s in stages))
-    for s in stages:
-        orig = s.forward_one_chunk
 
-        def fwd(*args: Any, orig=orig, **kw: Any) -> Any:
+    def timed(kind: str, orig: Any, then: Any = None) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
             out = orig(*args, **kw)
-            count()
+            times.setdefault(kind, []).append(time.perf_counter() - t0)
+            if then is not None:
+                then()
             return out
-        s.forward_one_chunk = fwd
+        return run
+    for s in stages:
+        s.forward_one_chunk = timed("F", s.forward_one_chunk, count)
+        s.backward_one_chunk = timed("B", s.backward_one_chunk)
+        s.backward_weight_one_chunk = timed("W", s.backward_weight_one_chunk)
 
 
 # --- the run ----------------------------------------------------------------------------------------
@@ -413,6 +427,7 @@ class Case:
         self.inside = world.Get_rank() < P
         self.tp: dict[str, Any] | None = None
         self.live = [0]
+        self.torch_times: dict[str, list[float]] = {}  # kind -> this rank's torch action seconds
         err = ""
         if self.inside:
             self.pipe, self.chunks, self.cparams = coconet_pipeline(model, a, order, M, P, sub, block)
@@ -421,7 +436,7 @@ class Case:
                     err = "not run (--no-torch)"
                 else:
                     self.tp = torch_pipeline(model, a, order, M, P, group)
-                    watch_live(self.tp, self.live)
+                    watch_live(self.tp, self.live, self.torch_times)
             except Exception as e:  # noqa: BLE001
                 err = f"{type(e).__name__}: {e}"
         self.torch_err = next((e for e in world.allgather(err) if e), "")
@@ -490,11 +505,13 @@ class Case:
                 self.torch_err = next((e for e in world.allgather(err) if e), "")
             if rep == 0:
                 losses = (world.allreduce(cl or 0.0), world.allreduce(tl or 0.0))
+                self.torch_times.clear()  # (the warm-up step's actions are not counted)
         gc.enable()
         cbytes = coconet_saved_bytes(self.chunks, self.a, self.M) if self.inside else 0
         tp = self.tp
         per_rank = world.gather({"cbytes": cbytes, "tbytes": tp["saved_bytes"] if tp else 0, "tlive": self.live[0],
-                                 "tname": tp["name"] if tp else None, "tnote": tp["note"] if tp else ""}, root=0)
+                                 "tname": tp["name"] if tp else None, "tnote": tp["note"] if tp else "",
+                                 "ttimes": self.torch_times}, root=0)
         if world.Get_rank() != 0:
             return None
         res = self.summary(ct[1:], tt[1:] if not self.torch_err else [], losses, events, per_rank[:self.P])
@@ -527,6 +544,9 @@ class Case:
                     durs[e[0]].append(e[5])
         med = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
         res["costs_s"] = med
+        if tt:  # torch's action times, every rank's, by kind: the step's ratio is theirs over coconet's
+            tdurs = {k: [x for p in per_rank for x in p["ttimes"].get(k, [])] for k in "FBW"}
+            res["torch_costs_s"] = {k: statistics.median(v) if v else 0.0 for k, v in tdurs.items()}
         o = self.pipe.order  # (as the last timed step ran it)
         per: dict[tuple[int, int, str], list[float]] = {}
         for evs in events:
@@ -611,11 +631,15 @@ def details(results: list[dict[str, Any]]) -> None:
                 notes.setdefault(r[key], []).append(f"P={r['P']} M={r['M']} {r['order']}")
     for text, where in notes.items():
         print(f"note ({', '.join(where)}): {text}")
-    print("coconet's action times (median work, ms; receive waits taken out), the cost model's input:")
+    print("coconet's action times (median work, ms; receive waits taken out), the cost model's input; "
+          "torch's (median, ms) and torch / coconet where torch ran:")
     for r in results:
-        c = r["costs_s"]
-        print(f"  P={r['P']} M={r['M']} {r['order']:14s} F {c['F'] * 1e3:.2f}  B {c['B'] * 1e3:.2f}"
-              + (f"  W {c['W'] * 1e3:.2f}" if c["W"] else ""))
+        c, t = r["costs_s"], r.get("torch_costs_s")
+        line = f"  P={r['P']} M={r['M']} {r['order']:14s} F {c['F'] * 1e3:.2f}  B {c['B'] * 1e3:.2f}" + (
+            f"  W {c['W'] * 1e3:.2f}" if c["W"] else "")
+        if t:
+            line += "   torch " + "  ".join(f"{k} {t[k] * 1e3:.2f} ({t[k] / c[k]:.2f}x)" for k in "FBW" if t[k] and c[k])
+        print(line)
     for key, what in (("bubble_predicted", "orders.simulate, one cost a kind"),
                       ("bubble_predicted_per_stage", "each rank's own costs"),
                       ("bubble_replayed", "each step replayed with each action's own time")):
