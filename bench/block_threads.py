@@ -35,15 +35,14 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> tuple[float, float, float]:
+    """Medians in ms of FN()'s steps, its forwards and its backwards (FN returns the forward's and
+    the backward's seconds), after two warm-up calls."""
     fn()
     fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    parts = [fn() for _ in range(reps)]
+    return tuple(statistics.median(p) * 1e3 for p in ([f + b for f, b in parts], [f for f, _ in parts],
+                                                        [b for _, b in parts]))  # type: ignore[return-value]
 
 
 def one(threads: int, batches: list[int], reps: int) -> dict:
@@ -74,17 +73,27 @@ def one(threads: int, batches: list[int], reps: int) -> dict:
         if not err < 1e-4:
             raise SystemExit(f"B={b}: coconet's block differs from nanoGPT's by {err:.3g}")
 
-        def coconet_step(x=x, dy=dy) -> None:
+        def coconet_step(x=x, dy=dy) -> tuple[float, float]:
+            t0 = time.perf_counter()
             layer.forward(0, x)
+            t1 = time.perf_counter()
             layer.backward(0, dy, False)
+            return t1 - t0, time.perf_counter() - t1
 
-        def torch_step(xt=xt, dy=dy) -> None:
-            ref(xt).backward(dy)
+        def torch_step(xt=xt, dy=dy) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            y = ref(xt)
+            t1 = time.perf_counter()
+            y.backward(dy)
+            return t1 - t0, time.perf_counter() - t1
         cc, tt = [], []
         for _ in range(3):  # (interleaved, a third of the reps each time)
             cc.append(median_ms(coconet_step, max(1, reps // 3)))
             tt.append(median_ms(torch_step, max(1, reps // 3)))
-        out[b] = {"coconet_ms": statistics.median(cc), "torch_ms": statistics.median(tt), "max_difference": err}
+        out[b] = {"max_difference": err}
+        for side, runs in (("coconet", cc), ("torch", tt)):
+            for i, part in enumerate(("ms", "forward_ms", "backward_ms")):
+                out[b][f"{side}_{part}"] = statistics.median(r[i] for r in runs)
     return out
 
 
@@ -109,12 +118,17 @@ def main() -> int:
             return proc.returncode
         results[t] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"\nGPT-2 block forward + backward at one rank, S={S}, H={H}, {NH} heads, f32; medians of {a.reps} "
-          "steps, ms\n")
-    print("| threads | B | coconet | torch eager | speed-up (torch / coconet) |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+          "steps, ms (forward / backward: the medians of each)\n")
+    print("| threads | B | coconet | torch eager | speed-up (torch / coconet) | coconet F / B | torch F / B "
+          "| speed-up F / B |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for t, rows in results.items():
         for b, r in rows.items():
-            print(f"| {t} | {b} | {r['coconet_ms']:.2f} | {r['torch_ms']:.2f} | {r['torch_ms'] / r['coconet_ms']:.2f}x |")
+            print(f"| {t} | {b} | {r['coconet_ms']:.2f} | {r['torch_ms']:.2f} | {r['torch_ms'] / r['coconet_ms']:.2f}x "
+                  f"| {r['coconet_forward_ms']:.2f} / {r['coconet_backward_ms']:.2f} "
+                  f"| {r['torch_forward_ms']:.2f} / {r['torch_backward_ms']:.2f} "
+                  f"| {r['torch_forward_ms'] / r['coconet_forward_ms']:.2f}x / "
+                  f"{r['torch_backward_ms'] / r['coconet_backward_ms']:.2f}x |")
     if a.json:
         Path(a.json).write_text(json.dumps({"S": S, "H": H, "heads": NH, "reps": a.reps, "cpus": os.cpu_count(),
                                             "results": results}, indent=1) + "\n")
