@@ -365,7 +365,8 @@ def watch_live(tp: dict[str, Any], peak: list[int], times: dict[str, list[float]
     for s in stages:
         s.forward_one_chunk = timed("F", s.forward_one_chunk, count)
         s.backward_one_chunk = timed("B", s.backward_one_chunk)
-        s.backward_weight_one_chunk = timed("W", s.backward_weight_one_chunk)
+        if hasattr(s, "backward_weight_one_chunk"):  # (a torch without zero bubble has none)
+            s.backward_weight_one_chunk = timed("W", s.backward_weight_one_chunk)
 
 
 # --- the run ----------------------------------------------------------------------------------------
