@@ -91,7 +91,8 @@ void mean_last(const T* x, T* out, int64_t rows, int64_t h) {
 
 // layernorm's input gradient of one row of h elements by one thread (pointwise.h layernorm_dx_of,
 // its sums in RowLoop's lanes): x(j) and dy(j) read element j in C, out(j, v) takes its value v in
-// C. The library call below, and a CPU fused collective's row-wise phase (codegen/cpu/fused.py).
+// C. A CPU fused collective's row-wise phase (codegen/cpu/fused.py); the library call,
+// layernorm_dx_grads below, computes each row with the same sums and formula (layernorm_dx_sums).
 template <class C, class X, class G, class D, class Out>
 inline void layernorm_dx_row_by(X x, const G* gamma, D dy, C eps, int64_t h, Out out) {
   const RowLoop<C> row{h};
@@ -100,53 +101,15 @@ inline void layernorm_dx_row_by(X x, const G* gamma, D dy, C eps, int64_t h, Out
   layernorm_dx_of(x, gamma, dy, eps, h, sum, each, out);
 }
 
-// dx[r, :] = layernorm's input gradient of row r (pointwise.h layernorm_dx_of: the row's statistics
-// as the forward's, then dx in one more pass) from x[rows, h], gamma[h] and g[rows, h]. add (the
-// plan's residual epilogue, plan/epilogue.py): dx = add + that gradient, the gradient rounded to T
-// first, so the sum is the separate loop's bit for bit (add may be dx itself, not x or g).
-template <class T>
-void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h,
-                  const T* add = nullptr) {
-  using C = compute_t<T>;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T *xr = x + r * h, *gr = g + r * h;
-    T* dr = dx + r * h;
-    const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
-    const auto gj = [&](int64_t j) { return C(to_compute(gr[j])); };
-    if (add == nullptr) {
-      layernorm_dx_row_by(xj, gamma, gj, static_cast<C>(eps), h, [&](int64_t j, C v) { dr[j] = from_compute<T>(v); });
-      continue;
-    }
-    const T* ar = add + r * h;
-    layernorm_dx_row_by(xj, gamma, gj, static_cast<C>(eps), h, [&](int64_t j, C v) {
-      dr[j] = from_compute<T>(to_compute(ar[j]) + to_compute(from_compute<T>(v)));
-    });
-  }
-}
-
-// dgamma[j] = the sum over rows r of g[r, j] * xhat[r, j], xhat the row's normalized x (the row's
-// statistics as the forward's, layernorm_stats), accumulated in the compute type.
-template <class T>
-void layernorm_dgamma(const T* x, const T* g, T* dgamma, double eps, int64_t rows, int64_t h) {
-  using C = compute_t<T>;
-  std::vector<C> acc(static_cast<size_t>(h > 0 ? h : 0), C(0));
-  const RowLoop<C> row{h};
-  const auto sum = [&](auto f) { return row.sum(f); };
-  for (int64_t r = 0; r < rows; ++r) {
-    const T *xr = x + r * h, *gr = g + r * h;
-    const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
-    C mean, rstd;
-    layernorm_stats(xj, static_cast<C>(eps), h, sum, mean, rstd);
-    for (int64_t j = 0; j < h; ++j) acc[static_cast<size_t>(j)] += C(to_compute(gr[j])) * ((xj(j) - mean) * rstd);
-  }
-  for (int64_t j = 0; j < h; ++j) dgamma[j] = from_compute<T>(acc[static_cast<size_t>(j)]);
-}
-
-// layernorm_dx, layernorm_dgamma and the bias's sum_lead(g) in one pass over x and g (the plan's
-// layernorm gradients, plan/lngrads.py): dx as layernorm_dx computes it (add: its residual), and,
-// where dgamma / dbeta are not nullptr, dgamma[j] += g * xhat and dbeta[j] += g in the compute
-// type, row by row in row order with the row's statistics as layernorm_dgamma's, so each is the
-// separate call's bit for bit. A row of x and g is read from memory once instead of three times.
+// dx[r, :] = layernorm's input gradient of row r (pointwise.h layernorm_dx_sums: the row's
+// statistics as the forward's, then dx in one more pass) from x[rows, h], gamma[h] and g[rows, h].
+// add (the plan's residual epilogue, plan/epilogue.py): dx = add + that gradient, the gradient
+// rounded to T first, so the sum is the separate loop's bit for bit (add may be dx itself, not x
+// or g). Where dgamma / dbeta are not nullptr, the same pass also computes layernorm_dgamma's and
+// the bias's sum_lead(g) (the plan's layernorm gradients, plan/lngrads.py): dgamma[j] += g * xhat
+// and dbeta[j] += g in the compute type, row by row in row order with the row's statistics as
+// layernorm_dgamma's, so each is the separate call's bit for bit; a row of x and g is read from
+// memory once instead of three times.
 template <class T>
 void layernorm_dx_grads(const T* x, const T* gamma, const T* g, T* dx, T* dgamma, T* dbeta, double eps,
                         int64_t rows, int64_t h, const T* add = nullptr) {
@@ -178,6 +141,31 @@ void layernorm_dx_grads(const T* x, const T* gamma, const T* g, T* dx, T* dgamma
     if (dgamma) dgamma[j] = from_compute<T>(ag[static_cast<size_t>(j)]);
     if (dbeta) dbeta[j] = from_compute<T>(ab[static_cast<size_t>(j)]);
   }
+}
+
+// layernorm_dx_grads' dx alone: layernorm's input gradient (add: its residual epilogue).
+template <class T>
+void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h,
+                  const T* add = nullptr) {
+  layernorm_dx_grads<T>(x, gamma, g, dx, nullptr, nullptr, eps, rows, h, add);
+}
+
+// dgamma[j] = the sum over rows r of g[r, j] * xhat[r, j], xhat the row's normalized x (the row's
+// statistics as the forward's, layernorm_stats), accumulated in the compute type.
+template <class T>
+void layernorm_dgamma(const T* x, const T* g, T* dgamma, double eps, int64_t rows, int64_t h) {
+  using C = compute_t<T>;
+  std::vector<C> acc(static_cast<size_t>(h > 0 ? h : 0), C(0));
+  const RowLoop<C> row{h};
+  const auto sum = [&](auto f) { return row.sum(f); };
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *xr = x + r * h, *gr = g + r * h;
+    const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
+    C mean, rstd;
+    layernorm_stats(xj, static_cast<C>(eps), h, sum, mean, rstd);
+    for (int64_t j = 0; j < h; ++j) acc[static_cast<size_t>(j)] += C(to_compute(gr[j])) * ((xj(j) - mean) * rstd);
+  }
+  for (int64_t j = 0; j < h; ++j) dgamma[j] = from_compute<T>(acc[static_cast<size_t>(j)]);
 }
 
 // dx[n, c, y, z] = sum over o, p, q of g[n, o, i, j] w[o, c, p, q] where y = i * stride + p - pad
