@@ -55,8 +55,9 @@ def main() -> None:
     print(f"2 ranks, M = {M}: {len(lists)} orders a rank; idle time over 1F1B's (the same costs)")
     print(f"{'run':<48} {'1F1B':>7} {'zero_bubble':>12} {'best order':>11} {'measured':>9}")
     for path in a.runs:
-        case = next((c for c in json.load(open(path))["results"]
-                     if c["P"] == 2 and c["M"] == M and c["order"] == "zero_bubble"), None)
+        with open(path) as f:
+            results = json.load(f)["results"]
+        case = next((c for c in results if c["P"] == 2 and c["M"] == M and c["order"] == "zero_bubble"), None)
         if case is None:
             print(f"{path:<48} (no zero_bubble case at P = 2, M = {M})")
             continue
@@ -72,8 +73,8 @@ def main() -> None:
                     continue
                 if t.makespan < best.makespan:
                     best = t
-        measured = next((c["bubble_measured"] for c in json.load(open(path))["results"]
-                         if c["P"] == 2 and c["M"] == M and c["order"] == "1f1b"), None)
+        measured = next((c["bubble_measured"] for c in results if c["P"] == 2 and c["M"] == M and c["order"] == "1f1b"),
+                        None)
         ratio = f"{case['bubble_measured'] / measured:.3f}" if measured else "-"
         print(f"{path[-48:]:<48} {one:>7.3f} {ours.bubble() / one:>12.3f} {best.bubble() / one:>11.3f} {ratio:>9}")
 
