@@ -1,12 +1,15 @@
 """One rank of a tests/rank_pool.py pool: connects to the test process's socket, then runs each
 job it is sent (`python ARGV` as runpy runs a script, its stdout and stderr to files of this
 rank's) and answers `DONE <exit code>`. A failed job ends this rank: the pool does not outlive
-a job that may have left another rank in a collective.
+a job that may have left another rank in a collective. What a job leaves behind in the process
+is undone before the next: its environment, path and directory, and a watchdog it armed
+(faulthandler.dump_traceback_later), which would otherwise end a later job at its deadline.
 
     python pool_rank.py SOCKET"""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -49,6 +52,7 @@ def run_job(job: dict, rank: int) -> int:
         traceback.print_exc()
         rc = 1
     finally:
+        faulthandler.cancel_dump_traceback_later()
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
