@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.plan.colsums import fused_sums
-from coconetc.plan.units import Buffer, LayernormGrads, Library, Loop, Unit, _may_write, _touches
+from coconetc.plan.units import Buffer, LayernormGrads, Library, Unit, _may_write, _touches
 
 ON = ("cpu",)  # the backends whose layernorm_dx computes the gradients it carries
 
@@ -34,20 +34,15 @@ def _eps(u: Library) -> object:
     return ("literal", attrs["eps"]) if "eps" in attrs else ("param", u.args[-1])
 
 
-def _writes(v: Unit, name: str) -> bool:
-    """Whether unit V may write NAME: a loop writes its items and its column sums only."""
-    if isinstance(v, Loop):
-        return any(it.name == name for it in v.items) or any(c.dst == name for c in v.colsums)
-    return _may_write(v, name)
-
-
 def _clear(units: list[Unit], i: int, j: int, x: str, g: str, dst: str) -> bool:
     """No unit strictly between i and j writes x or g or touches dst."""
-    return not any(_writes(v, x) or _writes(v, g) or _touches(v, {dst}) for v in units[i + 1:j])
+    return not any(_may_write(v, x) or _may_write(v, g) or _touches(v, {dst}) for v in units[i + 1:j])
 
 
-def grads_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> LayernormGrads | None:
-    """For units[i] a layernorm_dx the rule above accepts: the gradients it can carry; else None."""
+def grads_of(units: list[Unit], i: int, buffers: dict[str, Buffer],
+             summed: set[str] | None = None) -> LayernormGrads | None:
+    """For units[i] a layernorm_dx the rule above accepts: the gradients it can carry; else None.
+    SUMMED: fused_sums(units, "cpu"), where the caller has it."""
     u = units[i]
     if not (isinstance(u, Library) and u.op == "layernorm_dx") or u.grads is not None:
         return None
@@ -57,7 +52,8 @@ def grads_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> Layernorm
     dtype = buffers[u.dst].type.dtype
     if any(buffers[n].type.dtype != dtype for n in (x, g)):
         return None
-    summed = fused_sums(units, "cpu")
+    if summed is None:
+        summed = fused_sums(units, "cpu")
     dgamma = dbeta = ""
     for j in range(i + 1, len(units)):
         v = units[j]
@@ -79,8 +75,9 @@ def grads_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> Layernorm
 def with_grads(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
     """UNITS with each layernorm_dx the rule accepts carrying its layernorm's gradients."""
     out = list(units)
+    summed = fused_sums(units, "cpu")  # (the loops' column sums: a layernorm's gradients do not change them)
     for i, u in enumerate(out):
-        grads = grads_of(out, i, buffers)
+        grads = grads_of(out, i, buffers, summed)
         if grads is not None:
             assert isinstance(u, Library)
             out[i] = replace(u, grads=grads)

@@ -19,15 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.ir.expr import refs
-from coconetc.plan.units import Buffer, Collective, Library, Loop, StartGather, Unit, _touches
-
-
-def _writes(u: Unit) -> set[str]:
-    if isinstance(u, Loop):
-        return {i.name for i in u.items if i.store}
-    if isinstance(u, (Library, Collective)):
-        return {u.dst}
-    return set()
+from coconetc.plan.units import Buffer, Collective, Library, Loop, StartGather, Unit, _may_write, _touches, writes
 
 
 def _reads(u: Loop | Library) -> set[str]:
@@ -46,9 +38,9 @@ def _makers(units: list[Unit], before: int, name: str, buffers: dict[str, Buffer
         return None
     if b.kind == "param":
         return []
-    at = next((j for j in range(before - 1, -1, -1) if name in _writes(units[j])), -1)
+    at = next((j for j in range(before - 1, -1, -1) if _may_write(units[j], name)), -1)
     u = units[at] if at >= 0 else None
-    if not isinstance(u, (Loop, Library)) or _writes(u) != {name} or isinstance(u, Loop) and u.colsums:
+    if not isinstance(u, (Loop, Library)) or writes(u) != {name}:
         return None
     chain = [at]
     for r in sorted(_reads(u)):
@@ -77,7 +69,7 @@ def with_prefetch(units: list[Unit], buffers: dict[str, Buffer], depth: int, gat
             continue
         chain = [j for j in chain if j > at and j not in moved]
         between = [j for j in range(at + 1, i) if j not in chain]
-        if any(_touches(units[j], {g.dst}) or g.src in _writes(units[j]) for j in between):
+        if any(_touches(units[j], {g.dst}) or _may_write(units[j], g.src) for j in between):
             continue
         starts.setdefault(at, []).append((chain, StartGather(g, g.line)))
         moved.update(chain)

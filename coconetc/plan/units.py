@@ -572,12 +572,32 @@ def _item_touches(i: Item, names: set[str]) -> bool:
     return i.name in names or bool(names.intersection(refs(i.expr)))
 
 
-def _may_write(u: Unit, name: str) -> bool:
-    """Whether unit U may write NAME: a library call writes its dst only; any other unit that
-    touches NAME may (the conservative answer for loops, collectives, fused units)."""
+def writes(u: Unit) -> set[str] | None:
+    """The buffers unit U writes, where the unit says exactly: a loop its stored items and its
+    column sums; a library call its dst and the layernorm gradients it carries; a collective
+    its dst and the segments it writes into or the temporary it packs into; a copy or a
+    reduction its dst; a prefetch start its gather's. None for a fused collective, an overlap
+    or an overlapped gather, which may write anything they touch."""
+    if isinstance(u, Loop):
+        return {i.name for i in u.items if i.store} | {c.dst for c in u.colsums}
     if isinstance(u, Library):
-        return u.dst == name or (u.grads is not None and name in (u.grads.dgamma, u.grads.dbeta))
-    return _touches(u, {name})
+        return {u.dst, *((u.grads.dgamma, u.grads.dbeta) if u.grads else ())} - {""}
+    if isinstance(u, Collective):
+        return {u.dst, u.into, u.packed} - {""}
+    if isinstance(u, (Copy, Reduce)):
+        return {u.dst}
+    if isinstance(u, StartGather):
+        return writes(u.gather)
+    if isinstance(u, (Fused, Overlap, GatherMatmul)):
+        return None
+    return set()
+
+
+def _may_write(u: Unit, name: str) -> bool:
+    """Whether unit U may write NAME: it is one of those it writes (writes), or, for a unit
+    that does not say exactly, it touches NAME."""
+    w = writes(u)
+    return _touches(u, {name}) if w is None else name in w
 
 
 def _touches(u: Unit, names: set[str]) -> bool:
