@@ -193,7 +193,9 @@ class Layer:
     kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> B's kept values
 
     def _args(self) -> dict[str, Any]:
-        return {**{n: t.detach() for n, t in self.params.items()}, **self.scalars}
+        # the leaves themselves: a module function reads their memory and is no autograd
+        # function (a new detached tensor a call costs time and defeats the call's fast path)
+        return {**self.params, **self.scalars}
 
     def forward(self, m: int, x: torch.Tensor) -> torch.Tensor:
         b = self.block
@@ -253,9 +255,9 @@ class Layer:
         self._accumulate(out)
 
     def _accumulate(self, grads: dict[str, torch.Tensor]) -> None:
-        for n, t in self.params.items():
-            g = grads.get(f"d_{n}")
-            if g is None:
+        for k, g in grads.items():  # (d_<weight>: a weight's gradient; the input's has no weight)
+            t = self.params.get(k[2:]) if k.startswith("d_") else None
+            if t is None:
                 continue
             if t.grad is None:  # the call's new output, which nothing else holds, taken as it is
                 t.grad = g.reshape(t.shape) if g.dtype == t.dtype else g.to(t.dtype).reshape(t.shape)
