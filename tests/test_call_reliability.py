@@ -309,9 +309,10 @@ def test_a_call_parses_its_label_once(built, monkeypatch):
 def test_new_buffers_like_an_agreed_calls_take_the_warm_path(built, monkeypatch):
     """A call with new buffers of an agreed call's kinds, shapes and dtypes (a layer called with
     each step's activations) skips the full checks (fastpath.warm_check) and computes what the
-    interpreter does; buffers that overlap, a read-only array it would update, a tensor that
-    requires grad updated with grad on or another shape are not taken: the full path raises as
-    always, touching nothing, or runs."""
+    interpreter does, also after calls of another kind (tensors, then arrays again); buffers
+    that overlap, a read-only array it would update, a tensor that requires grad updated with
+    grad on or another shape are not taken: the full path raises as always, touching nothing,
+    or runs."""
     torch = _torch()
     from coconetc.interp.interpreter import run
     from coconetc.runtime import module
@@ -334,6 +335,11 @@ def test_new_buffers_like_an_agreed_calls_take_the_warm_path(built, monkeypatch)
     built.adam(schedule="zero", **{**_args(seed=13), **{k: torch.from_numpy(v) for k, v in _args(13).items()
                                                         if not isinstance(v, float)}})
     assert entered == [], "new tensors like the last call's took the full path"
+    a = _args(seed=17)  # arrays again, after tensors: the warm path remembers both kinds
+    expect, entered[:] = want(a), []
+    built.adam(schedule="zero", **a)
+    assert entered == [], "new arrays like an earlier call's took the full path after a call with tensors"
+    np.testing.assert_allclose(a["w"], expect["w"], rtol=2e-4, atol=1e-5)
 
     def refused(change, err, match, kind=np.asarray, grad=False):
         """CHANGE made to arguments of KIND right after a good call with arguments like them (so

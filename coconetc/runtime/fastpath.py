@@ -159,6 +159,7 @@ def same(buffers: tuple, kwargs: dict) -> bool:
 
 
 RECENT = 64  # calls (sets of buffers) remembered per function
+WARM = 4  # kinds of buffers (signatures) the warm path remembers per thread, schedule and keywords
 
 
 class Recent:
@@ -170,10 +171,17 @@ class Recent:
     def __init__(self, names: tuple):
         self.names = names  # the tensor parameters (every schedule of a program has its parameters)
         self.calls: dict[tuple, Any] = {}
-        # the warm path's: (thread, schedule, keywords) -> the last call remembered with a Hot;
-        # the slot of the last call it took (the same slot again: remembered by the full path)
-        self.warm: dict[tuple, Any] = {}
+        # the warm path's: (thread, schedule, keywords) -> the last calls remembered with a Hot
+        # (the latest first, one a signature, at most WARM: layers whose inputs alternate between
+        # two kinds, a tensor that requires grad and one that does not, both stay warm); the
+        # slot of the last call it took (the same slot again: remembered by the full path)
+        self.warm: dict[tuple, list[Any]] = {}
         self.last_warm: tuple = ((), ())
+
+    def keep_warm(self, key: tuple, rec: Any) -> None:
+        """REC first among KEY's warm calls; one of its signature goes, and past WARM the oldest."""
+        others = [r for r in self.warm.get(key, ()) if r.hot.signature != rec.hot.signature]
+        self.warm[key] = [rec, *others][:WARM]
 
     def warm_again(self, slot: tuple, kwargs: dict) -> bool:
         """Whether a warm call passes the very buffers of the last warm call (then it goes the
@@ -251,7 +259,7 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, p: Program, label: S
                             else (k, type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad,
                                   v.numel() * v.element_size()) for k, v in tensors),
             c_comm=MPI._handleof(comm), fused=label.code)
-        fn.recent.warm[(threading.get_ident(), schedule, tuple(kwargs))] = rec
+        fn.recent.keep_warm((threading.get_ident(), schedule, tuple(kwargs)), rec)
     return rec
 
 

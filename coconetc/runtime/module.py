@@ -189,20 +189,22 @@ class ProgramFunction:
                 if hot.channel.agreed(fast.config, got[1], groups, hot.what, hot.limit, start):
                     return run_hot(self.ext, fast, hot, got[0], kwargs)
                 return self._call(schedule, comm, groups, kwargs, True)
-        warm = self.recent.warm.get((get_ident(), schedule, tuple(kwargs)))
-        if warm is not None and warm.hot is not None and warm.config is not None and warm.run is not None \
-                and trace.active() is None:
-            # the warm path: new buffers like an agreed call's; the same round of 64 bytes. The
-            # same buffers twice in a row (a training loop's) go the full way once, which
-            # remembers them for the hot path
+        warms = self.recent.warm.get((get_ident(), schedule, tuple(kwargs)), ())
+        for warm in warms if trace.active() is None else ():
+            # the warm path: new buffers like an agreed call's (the first of the remembered
+            # kinds they are like); the same round of 64 bytes. The same buffers twice in a row
+            # (a training loop's) go the full way once, which remembers them for the hot path
             hot = warm.hot
+            if hot is None or warm.config is None or warm.run is None:
+                continue
             new = warm_check(hot, comm, groups, kwargs)
-            if new is not None:
-                if self.recent.warm_again(slot, kwargs):
-                    return self._call(schedule, comm, groups, kwargs, False)
-                if hot.channel.agreed(warm.config, new[2], groups, hot.what, hot.limit, time.monotonic()):
-                    return run_warm(self.ext, warm, hot, new[0], new[1], kwargs)
-                return self._call(schedule, comm, groups, kwargs, True)
+            if new is None:
+                continue
+            if self.recent.warm_again(slot, kwargs):
+                return self._call(schedule, comm, groups, kwargs, False)
+            if hot.channel.agreed(warm.config, new[2], groups, hot.what, hot.limit, time.monotonic()):
+                return run_warm(self.ext, warm, hot, new[0], new[1], kwargs)
+            return self._call(schedule, comm, groups, kwargs, True)
         return self._call(schedule, comm, groups, kwargs, False)
 
     def _call(self, schedule: str | None, comm: Any, groups: Any, kwargs: dict, counted: bool):
