@@ -312,6 +312,9 @@ CASES = [
     ("integer_literal_beyond_int64", P("y = x * 99999999999999999999"), 2, 13,
      "integer literal 99999999999999999999 does not fit int64"),
     ("float_literal_beyond_f64", P("y = x * 1e400"), 2, 13, "number literal 1e400 is out of range"),
+    ("string_without_quotes", S(SGD, "rs, ag = split(g1, algorithm=1f1b)"), 6, 34,
+     "'1f1b' is a number followed by a name: a string is written in quotes (\"1f1b\")"),
+    ("number_then_name", P("y = 2x"), 2, 9, "a product with an operator (2 * x)"),
     ("regression_operator_after_comment", P("y = (x # a * comment\n+ z)", "x: f32[N] local, z: f32[M] local"),
      3, 5, "shapes do not broadcast"),
 ]

@@ -168,9 +168,28 @@ def _keyword_as_name(err: lark.exceptions.UnexpectedInput, file: str, source: st
     return Diagnostic(_tok_span(tok, file, source), f"'{text}' is a keyword and cannot be a name")
 
 
+def _digits_then_name(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
+    """`order=1f1b`, `2y`: a name right after a number's digits, no space between, is read as
+    the number and then the name: most often a string without its quotes."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "NAME":
+        return None
+    tok = err.token
+    start = tok.start_pos or 0
+    i = start
+    while i > 0 and (source[i - 1].isdigit() or source[i - 1] == "."):
+        i -= 1
+    if i == start or not source[i].isdigit():
+        return None
+    word = source[i:tok.end_pos]
+    col = (tok.column or 1) - (start - i)
+    return Diagnostic(Span(file, tok.line or 1, col, tok.line or 1, col + len(word), source),
+                      f"'{word}' is a number followed by a name: a string is written in quotes "
+                      f"(\"{word}\"), a product with an operator ({source[i:start]} * {tok})")
+
+
 def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic:
     found = (_keyword_as_name(err, file, source) or _unclosed(err, file, source)
-             or _missing_comma(err, file, source))
+             or _missing_comma(err, file, source) or _digits_then_name(err, file, source))
     if found is not None:
         return found
     line, col = max(err.line, 1), max(err.column, 1)
