@@ -101,6 +101,7 @@ def test_a_pipeline_schedule_is_checked_and_shows_its_timeline(tmp_path) -> None
 @pytest.mark.parametrize("line, at, says", [
     ("pipeline(stages=8, microbatches=4)", "8,", "need 8 layers; y has 4"),
     ('pipeline(stages=2, microbatches=4, layers=[4, 0])', "layers=", "virtual stage 1 has no layers"),
+    ('pipeline(stages=2, microbatches=4, layers=[-1, 5])', "layers=", "virtual stage 0 has -1 layers"),
     ('pipeline(stages=2, microbatches=4, layers=[2, 1])', "layers=", "adds up to 3; y has 4"),
     ('pipeline(stages=1, microbatches=4, order="interleaved", chunks=3)', "3)", "does not divide y's 4 layers"),
     ('pipeline(stages=2, microbatches=3, order="interleaved")', "3,", "microbatches=3"),

@@ -106,8 +106,8 @@ def cut(p: Program, d: Pipeline) -> Cut:
                                   f"the pipeline has {virtual} virtual stages ({d.stages} x {d.chunks})")
         if any(k < 1 for k in sizes):
             s = next(i for i, k in enumerate(sizes) if k < 1)
-            raise CompileError.at(d.at("layers="), f"pipeline(): virtual stage {s} has no layers; every stage "
-                                  "needs at least one")
+            raise CompileError.at(d.at("layers="), f"pipeline(): virtual stage {s} has "
+                                  f"{'no' if sizes[s] == 0 else sizes[s]} layers; every stage needs at least one")
         if sum(sizes) != n:
             raise CompileError.at(d.at("layers="), f"pipeline(): layers= adds up to {sum(sizes)}; {name} has {n}")
     if d.max_activations is not None:
