@@ -10,8 +10,13 @@ batches of 10 calls (microseconds per call, the slowest rank) and writes
 bench/results/call_overhead.json. For a before/after comparison, run it once with this tree
 and once with PYTHONPATH pointing at another checkout (the table names the coconetc it
 imported). References measured in the same run: an mpi4py allgather of a
-small dict (what a pickled exchange costs) and an MPI barrier. The last two rows are the
-default schedule's calls again under `coconetc.trace` (tracing on)."""
+small dict (what a pickled exchange costs) and an MPI barrier. Two rows time a layer of
+examples/gpt_block.ccn at tiny sizes (H = 16) as a pipeline stage calls it
+(coconetc.torch.pipeline's Layer: its forward, then its backward adding into .grad, 17 and 23
+tensors a call, new activations each time), the second with an input that requires grad every
+other call (kinds that alternate, as where a stage's first layer takes a tensor that requires
+grad and the others do not). The last two rows are the default schedule's calls again under
+`coconetc.trace` (tracing on)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ADAM = HERE.parent / "examples" / "adam.ccn"
+GPT_BLOCK = HERE.parent / "examples" / "gpt_block.ccn"
 
 
 def _run_python():
@@ -77,6 +83,32 @@ def _adam_new(mod, comm, n: int, torch_tensors: bool):
     return lambda: mod.adam(**sets[next(it) % len(sets)], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1.0)
 
 
+def _layer(alternate: bool):
+    """A gpt_block layer's forward and backward (one rank: COMM_SELF), as a pipeline calls
+    them, at B=1, T=4, H=16, 2 heads; ALTERNATE: every other input requires grad."""
+    import torch
+    from mpi4py import MPI
+
+    from coconetc.torch.pipeline import Block
+    H, NH, F, T = 16, 2, 64, 4
+    shapes = {"ln1_w": [H], "ln1_b": [H], "wq": [H, NH, H // NH], "bq": [NH, H // NH],
+              "wk": [H, NH, H // NH], "wv": [H, NH, H // NH], "bv": [NH, H // NH],
+              "wo": [NH, H // NH, H], "bo": [H], "ln2_w": [H], "ln2_b": [H],
+              "w_fc": [H, F], "b_fc": [F], "w_proj": [F, H], "b_proj": [H]}
+    g = torch.Generator().manual_seed(0)
+    block = Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF)
+    layer = block.layer(block.parts({n: torch.randn(*s, generator=g) * 0.1 for n, s in shapes.items()}),
+                        scale=(H // NH) ** -0.5, pdrop=0.0, seed=0)
+    x, dy = torch.randn(1, T, H, generator=g), torch.randn(1, T, H, generator=g)
+    it = iter(range(1 << 62))
+
+    def step() -> None:
+        h = x.clone().requires_grad_(alternate and next(it) % 2 == 1)
+        layer.forward(0, h)
+        layer.backward(0, dy, False)
+    return step
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
@@ -87,6 +119,7 @@ def main() -> int:
     if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
         import coconetc
         coconetc.load(ADAM)  # build once, before the ranks start
+        coconetc.load(GPT_BLOCK, grad=("gpt_block:x",))
         return _run_python()(a.ranks, [__file__, *sys.argv[1:]])
     os.environ.setdefault("COCONET_THREADS", "1")
     import coconetc
@@ -102,6 +135,9 @@ def main() -> int:
     try:
         rows.append((f"adam(), N = {a.n}, new CPU tensors each call",
                      _per_call(comm, _adam_new(mod, comm, a.n, True), a.reps)))
+        rows.append(("a pipeline layer (gpt_block, H = 16): forward + backward, new activations",
+                     _per_call(comm, _layer(False), a.reps)))
+        rows.append(("the same, every other input requiring grad", _per_call(comm, _layer(True), a.reps)))
     except ImportError:
         pass
     # the same two calls traced (docs/tracing.md): each call's units recorded and kept, the
