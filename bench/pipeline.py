@@ -344,8 +344,9 @@ def torch_step(tp: dict[str, Any], idx: Any, tgt: Any, live: list[int]) -> float
 
 def watch_live(tp: dict[str, Any], peak: list[int], times: dict[str, list[float]]) -> None:
     """PEAK[0]: the most micro-batches (per stage) whose forward state this rank's stages hold at
-    once. TIMES: each action's seconds by kind (F: forward_one_chunk, its loss on the last stage
-    included; B: backward_one_chunk, a full backward or, split, the input gradient; W:
+    once. TIMES: each action's seconds by kind (F: forward_one_chunk, without the last stage's
+    loss, which torch's schedule computes after the call and coconet's F includes; B:
+    backward_one_chunk, a full backward or, split, the input gradient; W:
     backward_weight_one_chunk), as coconet's Event times its actions (torch's receives are
     waited for before the call, so no wait is in them)."""
     stages = tp["stages"]

@@ -94,11 +94,6 @@ COCONET_HD inline void layernorm_of(X x, const G* g, const B* b, C eps, int64_t 
   each([&](int64_t j) { out(j, (x(j) - mean) * inv * to_compute(g[j]) + to_compute(b[j])); });
 }
 
-// layernorm's input gradient of one row (grad.h layernorm_dx, cuda/grad.cuh): with the row's
-// statistics as layernorm_of computes them (layernorm_stats), xhat = (x - mean) * rstd and
-// dxhat = dy * gamma, dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), as
-// coconetc/autodiff/ops.py's reference. dy(j) reads the cotangent's element j in C; sum, each
-// and out as layernorm_of's.
 // One row's sums for its input gradient (layernorm_dx_sums) and the formulas over them: an
 // element's xhat, and its dx from x and dxhat = dy * gamma. layernorm_dx_of and grad.h's
 // layernorm_dx_grads (which adds dgamma's g * xhat as it goes) share them.
@@ -118,6 +113,11 @@ COCONET_HD inline LayernormDxRow<C> layernorm_dx_sums(X x, const G* gamma, D dy,
   return r;
 }
 
+// layernorm's input gradient of one row (grad.h layernorm_dx_row_by, cuda/grad.cuh): with the row's
+// statistics as layernorm_of computes them (layernorm_stats), xhat = (x - mean) * rstd and
+// dxhat = dy * gamma, dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), as
+// coconetc/autodiff/ops.py's reference. dy(j) reads the cotangent's element j in C; sum, each
+// and out as layernorm_of's.
 template <class C, class X, class G, class D, class Sum, class Each, class Out>
 COCONET_HD inline void layernorm_dx_of(X x, const G* gamma, D dy, C eps, int64_t H, Sum sum, Each each, Out out) {
   const LayernormDxRow<C> r = layernorm_dx_sums(x, gamma, dy, eps, H, sum);
