@@ -30,20 +30,21 @@ Per (P, M, order):
   * measured bubble (coconet): 1 - busy / (P x makespan) from Pipeline.events of every rank
     (times from the step's start, right after a barrier; gathered to rank 0), median over the
     steps;
-  * predicted bubble: orders.simulate(order, Costs(...)) with costs the median F, B, W action
-    times of coconet's own events (one cost per kind for every stage: the first stage's
-    embeddings and the last stage's head and loss are averaged in), and three more measured
-    from them: a transfer's latency, the median over the steps of the transfers an action
-    waited for; the time between two actions of a rank, the mean of the gaps (step_overheads:
-    the runtime's own time, which the measured bubble counts as idle); and each rank's first
-    action of a step longer by the median over steps and ranks of that action's time over its
-    kind's median on its rank (Costs.first, the step's warm-up); and "pred/st", the same
-    simulation with each rank's own median F, B, W (the stages' imbalance in); and, in the
-    lines after the table, each step replayed: the simulation with every action's own measured
-    work (what is left between it and the measured bubble is waiting no
-    action's time explains: messages, the cores' sharing; what is between it and "pred/st",
-    the actions' spread around their medians, such as a step's first micro-batch, whose
-    backward returns new gradients rather than adding into .grad);
+  * predicted bubble: orders.simulate(order, Costs(...)) with costs the mean F, B, W action
+    times of coconet's own events, each rank's first action of a step left out (one cost per
+    kind for every stage: the first stage's embeddings and the last stage's head and loss are
+    averaged in; the mean, not the median: a step's work is the sum of its actions', and the
+    slower actions are the rarer), and three more measured from them: a transfer's latency, the
+    median over the steps of the transfers an action waited for; the time between two actions
+    of a rank, the mean of the gaps (step_overheads: the runtime's own time, which the measured
+    bubble counts as idle); and each rank's first action of a step longer by the median over
+    steps and ranks of that action's time over its kind's mean on its rank (Costs.first, the
+    step's warm-up); and "pred/st", the same simulation with each rank's own mean F, B, W (the
+    stages' imbalance in); and, in the lines after the table, each step replayed: the
+    simulation with every action's own measured work (what is left between it and the measured
+    bubble is waiting no action's time explains: messages, the cores' sharing; what is between
+    it and "pred/st", the actions' spread around their means, such as where the pipeline's fill
+    waits for a slow one);
   * peak activations per rank: coconet: Timeline.peak_activations of the measured timeline
     (micro-batches held, per chunk) x the bytes of one micro-batch's Layer.saved values on the
     rank's chunk (the coconet layers only: the torch embeddings/head graph not counted; under
@@ -538,43 +539,34 @@ class Case:
         res["bubble_measured"] = statistics.median(bubble_of(evs) for evs in events)
         res["bubble_measured_by_step"] = [bubble_of(evs) for evs in events]
         res["coconet_events_last_step"] = events[-1]  # per rank: (kind, micro-batch, chunk, start, end, work)
-        # the cost model with coconet's own action times (their work: receive waits taken out)
+        # coconet's own action times (their work: receive waits taken out), the median of each
+        # kind over every action, printed beside torch's
         durs: dict[str, list[float]] = {"F": [], "B": [], "W": []}
         for evs in events:
             for rank_evs in evs:
                 for e in rank_evs:
                     durs[e[0]].append(e[5])
-        med = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
-        res["costs_s"] = med
+        res["costs_s"] = {k: statistics.median(v) if v else 0.0 for k, v in durs.items()}
         if tt:  # torch's action times, every rank's, by kind: the step's ratio is theirs over coconet's
             tdurs = {k: [x for p in per_rank for x in p["ttimes"].get(k, [])] for k in "FBW"}
             res["torch_costs_s"] = {k: statistics.median(v) if v else 0.0 for k, v in tdurs.items()}
         o = self.pipe.order  # (as the last timed step ran it)
-        per: dict[tuple[int, int, str], list[float]] = {}
-        for evs in events:
-            for r, rank_evs in enumerate(evs):
-                for e in rank_evs:
-                    per.setdefault((r, e[2], e[0]), []).append(e[5])
-        per_med = {k: statistics.median(v) for k, v in per.items()}
-        res["costs_per_rank_s"] = [[r, c, k, t] for (r, c, k), t in sorted(per_med.items())]  # rank, chunk, kind
-        # a step's warm-up: each rank's first action of each step over the median of its kind on
-        # its rank (the cost model's `first`)
-        firsts = [e[5] - per_med[(r, e[2], e[0])] for evs in events for r, rank_evs in enumerate(evs)
-                  for e in rank_evs[:1]]
-        warm = max(0.0, statistics.median(firsts)) if firsts else 0.0
+        mean, per_mean, warm = model_costs(events)
+        res["model_costs_s"] = mean
+        res["costs_per_rank_s"] = [[r, c, k, t] for (r, c, k), t in sorted(per_mean.items())]  # rank, chunk, kind
         res["first_action_extra_s"] = warm
         over = [step_overheads(evs, o) for evs in events]
         lat, gaps = [x for t, _ in over for x in t], [x for _, g in over for x in g]
         transfer = max(0.0, statistics.median(lat)) if lat else 0.0
         gap = max(0.0, statistics.fmean(gaps)) if gaps else 0.0
         res["transfer_latency_s"], res["action_gap_s"] = transfer, gap
-        sim = orders.simulate(o, orders.Costs(forward=med["F"], backward=med["B"], input_grad=med["B"],
-                                              weight_grad=med["W"], transfer=transfer, first=warm, gap=gap))
+        sim = orders.simulate(o, orders.Costs(forward=mean["F"], backward=mean["B"], input_grad=mean["B"],
+                                              weight_grad=mean["W"], transfer=transfer, first=warm, gap=gap))
         res["bubble_predicted"] = sim.bubble()
-        stage_costs = []  # each virtual stage's median F, B, W on its rank
+        stage_costs = []  # each virtual stage's mean F, B, W on its rank
         for st in range(o.stages):
             r, c = o.place(st)
-            t = {k: per_med.get((r, c, k), 0.0) for k in "FBW"}
+            t = {k: per_mean.get((r, c, k), 0.0) for k in "FBW"}
             stage_costs.append(orders.Costs(forward=t["F"], backward=t["B"], input_grad=t["B"], weight_grad=t["W"],
                                             transfer=transfer, first=warm, gap=gap))
         res["bubble_predicted_per_stage"] = orders.simulate(o, stage_costs).bubble()
@@ -585,7 +577,7 @@ class Case:
                                                      for r, rank_evs in enumerate(evs) for e in rank_evs}).bubble()
             for evs, ran in zip(events, self.step_orders))
         res["bubble_textbook"] = orders.predicted_bubble(order, P, M, o.chunks,
-                                                         orders.Costs(med["F"], med["B"], med["B"], med["W"]))
+                                                         orders.Costs(mean["F"], mean["B"], mean["B"], mean["W"]))
         # peak activations on the measured timeline of the last step
         slots = tuple(orders.Slot(r, orders.Action(e[0], e[1], e[2]), o.stage(r, e[2]), e[3], e[4])
                       for r, rank_evs in enumerate(events[-1]) for e in rank_evs)
@@ -601,6 +593,30 @@ class Case:
             res.update({"torch_peak_microbatches": tl, "torch_saved_bytes_per_microbatch": tb,
                         "torch_peak_microbatches_max": max(tl), "torch_peak_bytes": max(n * b for n, b in zip(tl, tb))})
         return res
+
+
+def model_costs(events: list[Any]) -> tuple[dict[str, float], dict[tuple[int, int, str], float], float]:
+    """The cost model's action times from coconet's events of every timed step (per rank: (kind,
+    micro-batch, chunk, start, end, work)): each kind's mean work, each (rank, chunk, kind)'s, each
+    rank's first action of a step left out (a step's work is the sum of its actions', which their
+    mean gives and their median, the slower actions being the rarer, does not); and a step's
+    warm-up (Costs.first): the median over steps and ranks of a rank's first action's work over
+    its kind's mean on its rank."""
+    every: dict[Any, list[float]] = {}  # (rank, chunk, kind) and kind -> every action's work
+    later: dict[Any, list[float]] = {}  # the same, each rank's first action of a step left out
+    for evs in events:
+        for r, rank_evs in enumerate(evs):
+            for i, e in enumerate(rank_evs):
+                for key in ((r, e[2], e[0]), e[0]):
+                    every.setdefault(key, []).append(e[5])
+                    if i:
+                        later.setdefault(key, []).append(e[5])
+    # (a kind that a rank runs only first in a step, as at M = 1: its firsts)
+    means = {key: statistics.fmean(later.get(key) or v) for key, v in every.items()}
+    per_rank = {k: t for k, t in means.items() if isinstance(k, tuple)}
+    firsts = [e[5] - per_rank[(r, e[2], e[0])] for evs in events for r, rank_evs in enumerate(evs)
+              for e in rank_evs[:1]]
+    return {k: means.get(k, 0.0) for k in "FBW"}, per_rank, max(0.0, statistics.median(firsts)) if firsts else 0.0
 
 
 def init_gloo(comm: Any) -> Any:
@@ -633,7 +649,7 @@ def details(results: list[dict[str, Any]]) -> None:
                 notes.setdefault(r[key], []).append(f"P={r['P']} M={r['M']} {r['order']}")
     for text, where in notes.items():
         print(f"note ({', '.join(where)}): {text}")
-    print("coconet's action times (median work, ms; receive waits taken out), the cost model's input; "
+    print("coconet's action times (median work, ms; receive waits taken out; the cost model takes their means); "
           "torch's (median, ms) and torch / coconet where torch ran:")
     for r in results:
         c, t = r["costs_s"], r.get("torch_costs_s")
