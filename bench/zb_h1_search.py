@@ -2,8 +2,9 @@
 micro-batches (each rank's F, B and W in micro-batch order, a B after its F, a W after its B, at
 most 2 micro-batches held a rank from an F's start to its W's end: 1F1B's peak) simulated with
 coconetc.pipeline.orders.simulate under the costs a `bench/pipeline.py --json` run measured (each
-rank's median F, B and W, the transfer latency, the step's first action's extra time and the gap
-between actions), against `zero_bubble`'s own order: the idle fraction of each over 1F1B's.
+rank's mean F, B and W, its costs_per_rank_s; the transfer latency, the step's first action's
+extra time and the gap between actions), against `zero_bubble`'s own order: the idle fraction of
+each over 1F1B's.
 
 Run: python bench/zb_h1_search.py RUN.json [RUN.json ...] [--microbatches 4]
 (M = 4 is 89 orders a rank, 7,921 pairs; M = 8 is too many to try them all.)"""
