@@ -12,7 +12,8 @@ fails mid-step, on 2 ranks (one layer of examples/gpt_block.ccn a stage).
     schedule [BACKEND]  tests/programs/pipeline_model.ccn's pipeline schedule through from_schedule
               (on the CPU backend, or "cuda": run under COCONET_CUDA_EMULATE=1, the emulation): each
               stage's gradients against the interpreter's of the whole batch (prints
-              `stage S: largest difference E`)"""
+              `stage S: largest difference E`), and Pipeline.eval's outputs against the
+              interpreter's forward (`eval: largest difference E, grads kept`, the last stage)"""
 
 from __future__ import annotations
 
@@ -60,11 +61,45 @@ def scheduled(comm, backend: str) -> None:
     pipe.step(torch.from_numpy(x), torch.from_numpy(cot))
     p = load_file(model).program("model")
     want = run(vjp(p), [{**whole, "x": x, "d_y": cot}])[0].outputs
+    # forward only (Pipeline.eval): the last stage's outputs, the micro-batches' joined, against
+    # the interpreter's forward of the whole batch; nothing added to .grad
+    grads = [t.grad.clone() for t in pipe.parameters.values()]
+    y = pipe.eval(torch.from_numpy(x))
+    same = all(torch.equal(t.grad, g) for t, g in zip(pipe.parameters.values(), grads))
+    if y is None:
+        print(f"eval: none, grads {'kept' if same else 'CHANGED'}", flush=True)
+    else:
+        err = float(np.abs(y.numpy() - run(p, [{**whole, "x": x}])[0].outputs["y"]).max())
+        print(f"eval: largest difference {err:.1e}, grads {'kept' if same else 'CHANGED'}", flush=True)
     rows = {0: (0, 3), 1: (3, 4)}
     for (s, n), t in pipe.parameters.items():
         a, b = rows[s]
         err = float(np.abs(t.grad.numpy() * 4 - want[f"d_{n}"][a:b]).max())  # the loss of each micro-batch / M
         print(f"stage {s}: {n} largest difference {err:.1e}", flush=True)
+
+
+def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, rank: int) -> None:
+    """Forward only (Pipeline.eval) over the batch of the first step: its loss (no dropout) that
+    step's, its outputs' loss the same, a dropout given for the call another, nothing added to
+    .grad; a scalar no layer has refused on every rank."""
+    grads = [w.grad.clone() for w in chunk.layers[0].params.values()]
+    loss, out = pipe.eval(x, t), pipe.eval(x)
+    dropped = pipe.eval(x, t, pdrop=0.5)
+    kept = all(torch.equal(w.grad, g) for w, g in zip(chunk.layers[0].params.values(), grads))
+    if rank == 1:
+        mine = float(mse(out, t))
+        ok = abs(loss - step_loss) <= 1e-6 * abs(step_loss) and abs(mine - step_loss) <= 1e-6 * abs(step_loss) \
+            and abs(dropped - step_loss) > 1e-3 * abs(step_loss)
+        print(f"eval {rank} {'ok' if ok and kept else 'WRONG'}: {loss} {mine} {step_loss} {dropped}", flush=True)
+    else:
+        print(f"eval {rank} {'ok' if loss is None and out is None and dropped is None and kept else 'WRONG'}",
+              flush=True)
+    try:
+        pipe.eval(x, t, pdropp=0.0)
+    except ValueError as err:
+        print(f"evalscalar ok: {err}", flush=True)
+    else:
+        print("evalscalar NOT REFUSED", flush=True)
 
 
 def main() -> None:
@@ -116,6 +151,11 @@ def main() -> None:
     same = all(a[1] == b[1] and all(torch.equal(g, h) for g, h in zip(a[2], b[2]))
                for a, b in ((runs[0], runs[1]), (runs[0], runs[3])))
     print(f"steps {rank} {' '.join(map(str, known))} {'same' if same else 'DIFFER'}", flush=True)
+    evaluated(pipe, chunk, x, t, runs[0][1], rank)
+    # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
+    plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,
+                     comm=comm, loss_fn=mse)
+    print(f"pre ok: {plain.step(x, t)}", flush=True)
 
 
 if __name__ == "__main__":

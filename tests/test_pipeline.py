@@ -46,6 +46,13 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     # a batch's shape seen before: each rank's 2 boundaries (an activation, a gradient) known, the
     # receives posted ahead without headers; the same losses and gradients as the headers' step
     assert sorted(said["steps"]) == ["0 0 2 0 2 same", "1 0 2 0 2 same"], log
+    # forward only: the step's loss (and its outputs' loss) on the last stage, None on the first,
+    # a dropout rate given for the call used, .grad untouched; a scalar no layer has: refused
+    assert sorted(m.split(":")[0] for m in said["eval"]) == ["0 ok", "1 ok"], log
+    assert len(said["pre"]) == 2, log  # a pre whose output needs no gradient: no backward through it
+    assert len(said["evalscalar"]) == 2 and all(
+        "no layer of the pipeline has a scalar 'pdropp' (their scalars: pdrop, scale, seed)" in m
+        for m in said["evalscalar"]), log
 
 
 @pytest.mark.slow
@@ -441,6 +448,10 @@ def test_a_pipeline_schedule_runs_compiled(capfd, backend: str) -> None:
     assert sorted((ln[1], ln[2]) for ln in got) == [("0:", "g"), ("0:", "w1"), ("0:", "w2"),
                                                       ("1:", "g"), ("1:", "w1"), ("1:", "w2")], log
     assert all(float(ln[-1]) < 1e-10 for ln in got), log
+    # Pipeline.eval: the last stage's outputs are the interpreter's forward of the whole batch
+    evals = sorted(ln for ln in lines if ln.startswith("eval: "))
+    assert len(evals) == 2 and evals[1] == "eval: none, grads kept" and evals[0].endswith("grads kept"), log
+    assert float(evals[0].split()[3].rstrip(",")) < 1e-10, log
 
 
 def test_explain_models_a_pipeline_schedule(tmp_path) -> None:

@@ -7,6 +7,7 @@ programs (docs/pipeline.md).
     pipe = Pipeline([Chunk(layers, pre=embed, post=head)], "1f1b", microbatches=4,
                     comm=pp_comm, loss_fn=loss)
     loss = pipe.step(idx, target)           # every rank of the pipeline, together
+    val = pipe.eval(idx, target, pdrop=0.0) # forward only (torch's schedule.eval): the batch's loss
 
 A `Chunk` is what one virtual stage computes on this rank: an optional torch module first (the
 first stage's embeddings), coconet layers, an optional torch module last (the last stage's
@@ -84,6 +85,9 @@ class Block:
         # COCONET_CUDA_EMULATE=1 the emulation, on CPU tensors)
         self.call_comm = mod.backend.communicator(mod, comm)
         self.fwd = mod.programs[fwd_name(program)]
+        # the program itself, which keeps nothing for a backward (Pipeline.eval); None where the
+        # module lacks it (its layers then run the forward above and drop what it keeps)
+        self.plain = mod.programs.get(program)
         self.bwd = mod.programs[bwd_name(program)]
         self.bwd_input = mod.programs[input_name(program)]
         self.bwd_weight = mod.programs[weight_name(program)]
@@ -203,6 +207,14 @@ class Layer:
         self.saved[m] = {k[len("saved_"):]: v for k, v in out.items() if k.startswith("saved_")}
         self.saved[m][b.input] = x
         return out[b.output]
+
+    def infer(self, x: torch.Tensor, scalars: dict[str, Any]) -> torch.Tensor:
+        """The layer's output for X, keeping nothing for a backward (Pipeline.eval): the block's
+        program itself, with SCALARS (those of its own among them) in place of the layer's."""
+        b = self.block
+        fn = b.plain if b.plain is not None else b.fwd
+        kw = {**self.params, **self.scalars, **{k: v for k, v in scalars.items() if k in b.scalars}}
+        return b.call(fn, b.schedule, **kw, **{b.input: x})[b.output]
 
     def _bwd_args(self, m: int, dy: torch.Tensor) -> dict[str, Any]:
         b = self.block
@@ -427,12 +439,12 @@ class Pipeline:
         self._pending.append(self.comm.Isend(a, dest=to, tag=tag + 1))
         self._keep.append(a)
 
-    def _receives(self) -> dict[str, list[tuple[str, int, int, int]]]:
-        """This rank's receives in its order of actions, by kind: (kind, micro-batch, virtual
-        stage, from rank)."""
+    def _receives(self, actions: Sequence[_orders.Action]) -> dict[str, list[tuple[str, int, int, int]]]:
+        """The receives of this rank's ACTIONS, in their order, by kind: (kind, micro-batch,
+        virtual stage, from rank)."""
         order = self.order
         out: dict[str, list[tuple[str, int, int, int]]] = {F: [], B: []}
-        for act in order.actions[self.rank]:
+        for act in actions:
             stage = order.stage(self.rank, act.chunk)
             if act.kind == F and stage > 0:
                 out[F].append((F, act.microbatch, stage, order.place(stage - 1)[0]))
@@ -511,7 +523,7 @@ class Pipeline:
         batch = told[first]
         self._known = self._shapes.get(batch, {}) if self._ahead else {}
         self._seen, self._pending, self._keep, self._posted = {}, [], [], {}
-        self._todo = self._receives()
+        self._todo = self._receives(order.actions[self.rank])
         self._post(F)
         self._post(B)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
@@ -539,6 +551,80 @@ class Pipeline:
             self._retimes -= 1
             self.order = self._retimed()
         return sum(self._losses) / M if self.rank == last else None
+
+    def eval(self, x: Any = None, target: Any = None, **scalars: Any) -> Any:
+        """Forward only over the batch, as torch's `schedule.eval`: X (the first stage's ranks)
+        and TARGET (the last stage's; optional) cut into micro-batches as step() cuts them, each
+        micro-batch through every stage, nothing kept for a backward and nothing added to
+        `.grad` (each layer runs its block's program itself; the torch parts under
+        torch.no_grad()). On the last stage's ranks, with TARGET the batch's mean loss (loss_fn's
+        over the micro-batches, averaged), without it the last stage's outputs (post's, else the
+        last layer's) concatenated along dim 0; None elsewhere. SCALARS: values of the layers'
+        scalars for this call, given to every layer that has them (`pdrop=0.0`: no dropout, as
+        torch's `model.eval()`); a name no layer of the pipeline has is a ValueError on every
+        rank. `events` holds what ran when."""
+        M, order = self.microbatches, self.order
+        first, last = order.place(0)[0], order.place(order.stages - 1)[0]
+        mine = sorted({n for c in self.chunks for ly in c.layers for n in ly.block.scalars})
+
+        (self._xs, self._ts), told = self._agree(
+            lambda: (self._cut("x", x, M, "eval") if self.rank == first else [],
+                     self._cut("target", target, M, "eval") if self.rank == last and target is not None else []),
+            lambda v: ((tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None, mine))
+        have = sorted({n for _, names in told for n in names})
+        unknown = sorted(set(scalars) - set(have))
+        if unknown:
+            raise ValueError(f"Pipeline.eval: no layer of the pipeline has a scalar {unknown[0]!r} (their scalars: "
+                             f"{', '.join(have) or 'none'})")
+        acts = sorted((_orders.Action(F, m, c) for c in range(len(self.chunks)) for m in range(M)),
+                      key=lambda a: (order.stage(self.rank, a.chunk), a.microbatch))
+        batch = told[first][0]
+        self._known = self._shapes.get(batch, {}) if self._ahead else {}
+        self._seen, self._pending, self._keep, self._posted = {}, [], [], {}
+        self._todo = self._receives(acts)
+        self._post(F)
+        outs: list[Any] = []
+        self.events = []
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for act in acts:
+                start = time.perf_counter() - t0
+                self._waited = 0.0
+                out = self._infer(act, scalars)
+                if out is not None:
+                    outs.append(out)
+                end = time.perf_counter() - t0
+                self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
+                self._progress()
+        self._wait(self._pending)
+        self._pending, self._keep = [], []
+        self._shapes[batch] = {**self._known, **self._seen}
+        if self.rank != last:
+            return None
+        return sum(outs) / M if self._ts else torch.cat(outs, dim=0)
+
+    def _infer(self, act: _orders.Action, scalars: dict[str, Any]) -> Any:
+        """One micro-batch through this rank's chunk (eval): what the last stage makes of it
+        (its loss, as a float, where a target was given), None on the others."""
+        order, chunk, m = self.order, self.chunks[act.chunk], act.microbatch
+        stage = order.stage(self.rank, act.chunk)
+        if stage == 0:
+            h: Any = self._xs[m]
+            if chunk.pre is not None:
+                h = chunk.pre(h)
+        else:
+            h = self._recv(F, m, stage, order.place(stage - 1)[0], self._sliced(chunk.layers))
+        for layer in chunk.layers:
+            h = layer.infer(h, scalars)
+            self._progress()
+        if stage < order.stages - 1:
+            self._send(h, order.place(stage + 1)[0], F, m, stage + 1, self._sliced(self._boundary_layers()))
+            return None
+        out = chunk.post(h) if chunk.post is not None else h
+        if self._ts:
+            assert self.loss_fn is not None
+            return float(self.loss_fn(out, self._ts[m]))
+        return out
 
     def _retimed(self) -> _orders.Order:
         """The order scheduled again for the action times of the steps so far: each virtual
@@ -570,7 +656,8 @@ class Pipeline:
             h: Any = self._xs[act.microbatch]
             if chunk.pre is not None:
                 h = chunk.pre(h)
-                self._outputs[key] = h
+                if h.requires_grad:  # (a pre with no parameters, on a batch that needs none: no backward)
+                    self._outputs[key] = h
                 h = h.detach()
         else:
             prev = order.place(stage - 1)[0]
@@ -616,12 +703,12 @@ class Pipeline:
         shape and layout, so every stage receives the same kind of activation): this rank's."""
         return self.chunks[0].layers or next((c.layers for c in self.chunks if c.layers), ())
 
-    def _cut(self, what: str, v: Any, M: int) -> list[Any]:
+    def _cut(self, what: str, v: Any, M: int, fn: str = "step") -> list[Any]:
         if v is None:
-            raise ValueError(f"Pipeline.step: rank {self.rank} holds a stage that needs {what}=")
+            raise ValueError(f"Pipeline.{fn}: rank {self.rank} holds a stage that needs {what}=")
         n = v.shape[0]
         if n % M:
-            raise ValueError(f"Pipeline.step: {what}'s batch of {n} rows does not divide into "
+            raise ValueError(f"Pipeline.{fn}: {what}'s batch of {n} rows does not divide into "
                              f"microbatches={M} equal micro-batches (use a batch that is a multiple of {M})")
         return list(torch.split(v, n // M)) if isinstance(v, torch.Tensor) else np.split(v, M)
 
