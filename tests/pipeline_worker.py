@@ -78,6 +78,15 @@ def scheduled(comm, backend: str) -> None:
         print(f"stage {s}: {n} largest difference {err:.1e}", flush=True)
 
 
+def nograd(pipe: Pipeline, x, t, rank: int) -> None:
+    """A step with autograd off on rank 1 only (its backward could not run there)."""
+    if rank == 1:
+        with torch.no_grad():
+            pipe.step(x, t)
+    else:
+        pipe.step(x, t)
+
+
 def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, rank: int) -> None:
     """Forward only (Pipeline.eval) over the batch of the first step: its loss (no dropout) that
     step's, its outputs' loss the same, a dropout given for the call another, nothing added to
@@ -124,6 +133,7 @@ def main() -> None:
         "loss": lambda: Pipeline([chunk], "gpipe", microbatches=4, comm=comm),
         "chunks": lambda: Pipeline([chunk], "interleaved", microbatches=4, comm=comm, loss_fn=mse),
         "target": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, None),
+        "nograd": lambda: nograd(Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse), x, t, rank),
         "schedule": lambda: Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF, grad_schedule="overlaped"),
         "parts": lambda: block.parts({"w_qkv": torch.zeros(H, 3 * H)}),
         "dims": lambda: block.parts({"wq": torch.zeros(H, H)}),

@@ -31,13 +31,15 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
         name, _, msg = ln.partition(" ")
         said.setdefault(name, []).append(msg)
     assert all(len(said[c]) == 2 and all(m.startswith("ok: ") for m in said[c])
-               for c in ("batch", "empty", "loss", "chunks", "target", "schedule", "parts", "dims")), log
+               for c in ("batch", "empty", "loss", "chunks", "target", "nograd", "schedule", "parts", "dims")), log
     assert "does not divide into microbatches=4" in said["batch"][0] and "6 rows" in said["batch"][0], log
     assert "rank 0 refused" in said["batch"][1] and "6 rows" in said["batch"][1], log  # the last stage: told
     assert any("virtual stage 1 (rank 1, chunk 0) has no layers" in m for m in said["empty"]), log
     assert all("needs loss_fn=" in m for m in said["loss"]), log
     assert all("interleaved" in m for m in said["chunks"]), log
     assert any("needs target=" in m for m in said["target"]), log
+    assert "rank 1 runs it with autograd off" in said["nograd"][0] and "use Pipeline.eval" in said["nograd"][0], log
+    assert "rank 1 runs it with autograd off" in said["nograd"][1], log
     assert all("grad_schedule='overlaped': gpt_block_grad has no such schedule (its schedules: 'overlapped'" in m
                for m in said["schedule"]), log
     assert all("has no weight 'w_qkv' (its weights: ln1_w" in m for m in said["parts"]), log

@@ -517,7 +517,7 @@ class Pipeline:
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
         (self._xs, self._ts), told = self._agree(
-            lambda: (self._cut("x", x, M) if self.rank == first else [],
+            lambda: (self._cut("x", x, M) if self._grad_mode() and self.rank == first else [],
                      self._cut("target", target, M) if self.rank == last else []),
             lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
         batch = told[first]
@@ -702,6 +702,15 @@ class Pipeline:
         """Layers whose input stands for the next stage's (a block's output is its input's
         shape and layout, so every stage receives the same kind of activation): this rank's."""
         return self.chunks[0].layers or next((c.layers for c in self.chunks if c.layers), ())
+
+    def _grad_mode(self) -> bool:
+        """True where autograd is on, as a step's backward needs (the torch parts' graphs); else
+        a ValueError, which step() raises on every rank."""
+        if not torch.is_grad_enabled():
+            raise ValueError(f"Pipeline.step: rank {self.rank} runs it with autograd off (inside torch.no_grad() or "
+                             "torch.inference_mode()), which a step's backward needs on; for a forward only "
+                             "use Pipeline.eval, which needs no gradients")
+        return True
 
     def _cut(self, what: str, v: Any, M: int, fn: str = "step") -> list[Any]:
         if v is None:
