@@ -533,12 +533,20 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
         t_coconet += t1 - t0
         t_ref += time.perf_counter() - t1
     loss_err = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
+    # evaluation, as nanoGPT's estimate_loss: the trained model forward only, without dropout,
+    # on the first batch (Pipeline.eval; nothing kept for a backward, .grad untouched)
+    idx, tgt = data[0]
+    val = pipe.eval(idx[rows], tgt[rows], pdrop=0.0)
+    val = comm.allreduce(val if holder else 0.0)
+    with torch.no_grad():
+        ref_val = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1)).item()
     held = comm.allreduce(sum(p.numel() for p in params.values()), op=MPI.MAX)
     how = (f"{P} stages x tensor parallel {T}" + (f" x data parallel {dp}" if dp > 1 else "")
            + (f" (stages: {GPT_PIPELINE.name}'s schedule pp_{order})" if a.from_schedule else "")
            + f", order {order}" + (f" ({V} chunks a rank)" if V > 1 else "") + f", {a.microbatches} micro-batches")
     return {"mode": f"{mode}/{order}", "how": how, "program": program, "groups": dp, "group_size": T,
             "grad_err": grad_err, "losses": losses, "ref_losses": ref_losses, "loss_err": loss_err,
+            "eval": (val, ref_val, abs(val - ref_val) / abs(ref_val)),
             "held": held, "total": sum(p.numel() for p in ref.parameters()),
             "seconds": comm.allreduce(t_coconet, op=MPI.MAX), "ref_seconds": t_ref}
 
@@ -569,6 +577,11 @@ def report(res: dict[str, Any], a: argparse.Namespace, ranks: int) -> bool:
         if i < 3 or i % 5 == 4 or i == len(res["losses"]) - 1:
             print(f"{first + i:6d}  {x:13.7f}  {y:13.7f}  {e:9.2e}")
     g, lo = max(worst.values()), max(res["loss_err"])
+    if "eval" in res:  # a pipeline's forward only (Pipeline.eval) after the steps
+        val, ref_val, ev = res["eval"]
+        print(f"evaluation after the steps (forward only, no dropout): {val:.7f}, one process {ref_val:.7f}, "
+              f"relative {ev:.2e}")
+        lo = max(lo, ev)
     ok = g <= a.grad_tol and lo <= a.loss_tol
     print(f"{mode}: {len(res['losses'])} steps in {res['seconds']:.2f} s (one process: {res['ref_seconds']:.2f} s); "
           f"largest gradient difference {g:.2e}, largest loss difference {lo:.2e}: "

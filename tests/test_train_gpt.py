@@ -119,6 +119,9 @@ def test_pipeline_gpt_trains_like_one_process_in_every_order(tmp_path):
     res = _train(tmp_path, 4, "pp_tp", "--layers", "5", "--order", ",".join(orders))
     _check(res, [f"pp_tp/{o}" for o in orders], 4)
     assert "2 stages x tensor parallel 2, order interleaved (2 chunks a rank), 4 micro-batches" in res.stdout
+    # each order's evaluation after its steps (Pipeline.eval, forward only): the one process's loss
+    evals = [ln for ln in res.stdout.splitlines() if ln.startswith("evaluation after the steps")]
+    assert len(evals) == len(orders) and all(float(ln.split()[-1]) < TOL for ln in evals), res.stdout
 
 
 @pytest.mark.slow
@@ -219,6 +222,7 @@ def test_a_difference_past_the_tolerance_is_a_mismatch(capsys):
     assert not mod.report({**res, "grad_err": {"wte": 2e-5}}, a, 2)
     assert ["wte", "2.00e-05", "MISMATCH"] in _rows(capsys.readouterr().out)
     assert not mod.report({**res, "loss_err": [0.0, 3e-5]}, a, 2)
+    assert not mod.report({**res, "eval": (3.0, 3.001, 3e-4)}, a, 2)  # a pipeline's evaluation after the steps
     a.dropout = 0.1
     assert mod.report({**res, "loss_err": [0.0, 3e-5]}, a, 2)
     assert "not checked (dropout 0.1" in capsys.readouterr().out
