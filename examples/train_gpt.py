@@ -139,6 +139,8 @@ def check_sizes(mode: str, a: argparse.Namespace, ranks: int, order: str = "1f1b
                          "whole heads (a multiple of the ranks, or heads of 1; docs/gpt_block.md)")
     if a.batch % groups:
         raise SystemExit(f"--batch {a.batch}: not split evenly over {groups} data-parallel groups")
+    if a.grad_clip and not mode.startswith("pp"):
+        raise SystemExit(f"--grad-clip: the pp modes only (not --mode {mode})")
     if mode.startswith("pp"):
         chunks = chunks_of(order, a)
         if a.layers < stages * chunks:
@@ -504,6 +506,8 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     rows = slice(d * a.batch // dp, (d + 1) * a.batch // dp)
     grad_err: dict[str, float] = {}
     losses, ref_losses = [], []
+    norms: list[float] = []  # the gradients' norms before clipping (--grad-clip), coconet's and the one process's
+    ref_norms: list[float] = []
     t_coconet = t_ref = 0.0
     holder = s == cut.place(P * V - 1)[0] and t == 0  # a rank of the last stage: it has the loss
     for step, (idx, tgt) in enumerate(data):
@@ -523,12 +527,19 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
             for (st, n), leaf in pipe.parameters.items():
                 for j in range(leaf.shape[0]):
                     grads[f"blocks.{pipe.rows[(st, n)][0] + j}.{n}"] = leaf.grad[j].detach().clone()
+        if a.grad_clip:  # (the first step's gradients kept) the whole model's norm, each torch part's
+            # weight once: the tied wte the first stage's, the last stage's copy scaled alike
+            mine = [n for n in ("wte", "wpe", "ln_f_w", "ln_f_b") if n in params]
+            norms.append(pipe.clip_grad_norm_(a.grad_clip, [params[n] for n in mine if n != "wte" or 0 in held],
+                                              tied=[params["wte"]] if "wte" in mine and 0 not in held else []))
         opt.step()
         losses.append(comm.allreduce(loss if holder else 0.0))  # each group's: its share of the batch's
         t1 = time.perf_counter()
         ref_losses.append(reference_step(ref, ref_opt, idx, tgt, a))
         if step == 0:
             grad_err = gradient_errors(grads, refs, layouts, T, t, comm)
+        if a.grad_clip:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), a.grad_clip)))
         ref_opt.step()
         t_coconet += t1 - t0
         t_ref += time.perf_counter() - t1
@@ -547,6 +558,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     return {"mode": f"{mode}/{order}", "how": how, "program": program, "groups": dp, "group_size": T,
             "grad_err": grad_err, "losses": losses, "ref_losses": ref_losses, "loss_err": loss_err,
             "eval": (val, ref_val, abs(val - ref_val) / abs(ref_val)),
+            **({"clip": (a.grad_clip, norms, ref_norms)} if a.grad_clip else {}),
             "held": held, "total": sum(p.numel() for p in ref.parameters()),
             "seconds": comm.allreduce(t_coconet, op=MPI.MAX), "ref_seconds": t_ref}
 
@@ -577,6 +589,14 @@ def report(res: dict[str, Any], a: argparse.Namespace, ranks: int) -> bool:
         if i < 3 or i % 5 == 4 or i == len(res["losses"]) - 1:
             print(f"{first + i:6d}  {x:13.7f}  {y:13.7f}  {e:9.2e}")
     g, lo = max(worst.values()), max(res["loss_err"])
+    if "clip" in res:  # --grad-clip: the gradients' norms before clipping, each step's
+        clip, norms, ref_norms = res["clip"]
+        ne = max(abs(x - y) / y for x, y in zip(norms, ref_norms))
+        print(f"gradients clipped to norm {clip:g} (Pipeline.clip_grad_norm_): their norm before, steps 0 and "
+              f"{len(norms) - 1}: {norms[0]:.5f} and {norms[-1]:.5f} (one process {ref_norms[0]:.5f} and "
+              f"{ref_norms[-1]:.5f}), {sum(x > clip for x in ref_norms)} of {len(norms)} steps clipped; largest "
+              f"relative difference {ne:.2e}")
+        lo = max(lo, ne)
     if "eval" in res:  # a pipeline's forward only (Pipeline.eval) after the steps
         val, ref_val, ev = res["eval"]
         print(f"evaluation after the steps (forward only, no dropout): {val:.7f}, one process {ref_val:.7f}, "
@@ -630,6 +650,9 @@ def main() -> int:
                     "rank (default 2)")
     ap.add_argument("--from-schedule", action="store_true", help="pp modes: the stages from gpt_pipeline.ccn's "
                     "pipeline schedule pp_<order> (a program of 4 layers) instead of a Block a layer")
+    ap.add_argument("--grad-clip", type=float, default=0.0, help="pp modes: clip the gradients' global norm to "
+                    "this (Pipeline.clip_grad_norm_; the one process: torch.nn.utils.clip_grad_norm_), as "
+                    "nanoGPT's grad_clip; 0: no clipping (the default)")
     model_arguments(ap, steps=20, batch_help="the global batch (split over the groups under tp_dp)")
     ap.add_argument("--dropout", type=float, default=0.0, help="> 0: trained without the comparison")
     ap.add_argument("--dp-schedule", default="zero", help="tp_dp: adamw.ccn's schedule (default, zero, ...)")

@@ -134,6 +134,7 @@ def main() -> None:
         "chunks": lambda: Pipeline([chunk], "interleaved", microbatches=4, comm=comm, loss_fn=mse),
         "target": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, None),
         "nograd": lambda: nograd(Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse), x, t, rank),
+        "clip": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).clip_grad_norm_(0.0),
         "schedule": lambda: Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF, grad_schedule="overlaped"),
         "parts": lambda: block.parts({"w_qkv": torch.zeros(H, 3 * H)}),
         "dims": lambda: block.parts({"wq": torch.zeros(H, H)}),

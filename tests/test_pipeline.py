@@ -31,7 +31,9 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
         name, _, msg = ln.partition(" ")
         said.setdefault(name, []).append(msg)
     assert all(len(said[c]) == 2 and all(m.startswith("ok: ") for m in said[c])
-               for c in ("batch", "empty", "loss", "chunks", "target", "nograd", "schedule", "parts", "dims")), log
+               for c in ("batch", "empty", "loss", "chunks", "target", "nograd", "clip", "schedule", "parts",
+                         "dims")), log
+    assert all("max_norm must be a number above 0, got 0.0" in m for m in said["clip"]), log
     assert "does not divide into microbatches=4" in said["batch"][0] and "6 rows" in said["batch"][0], log
     assert "rank 0 refused" in said["batch"][1] and "6 rows" in said["batch"][1], log  # the last stage: told
     assert any("virtual stage 1 (rank 1, chunk 0) has no layers" in m for m in said["empty"]), log

@@ -113,11 +113,17 @@ def test_pipeline_gpt_trains_like_one_process_in_every_order(tmp_path):
     rank's slice of the sequence and the next stage all-gathers it), 5 layers split unevenly
     (3 + 2; 2 + 1 + 1 + 1 over the interleaved order's 4 virtual stages), 4 micro-batches, in
     every order (coconetc.torch.pipeline; the zero-bubble orders run the compiler's split
-    backward)."""
+    backward), the gradients clipped to a global norm as nanoGPT's are."""
     from coconetc.pipeline import ORDERS
     orders = list(ORDERS)
-    res = _train(tmp_path, 4, "pp_tp", "--layers", "5", "--order", ",".join(orders))
+    res = _train(tmp_path, 4, "pp_tp", "--layers", "5", "--order", ",".join(orders), "--grad-clip", "0.5")
     _check(res, [f"pp_tp/{o}" for o in orders], 4)
+    # nanoGPT's gradient clipping over the whole pipeline (Pipeline.clip_grad_norm_: the tensor-
+    # parallel parts summed, replicated weights and the tied embedding once): every step's norm
+    # torch's clip_grad_norm_'s of the one process, and clipped
+    clipped = [ln for ln in res.stdout.splitlines() if ln.startswith("gradients clipped to norm 0.5")]
+    assert len(clipped) == len(orders) and all("3 of 3 steps clipped" in ln and float(ln.split()[-1]) < TOL
+                                               for ln in clipped), res.stdout
     assert "2 stages x tensor parallel 2, order interleaved (2 chunks a rank), 4 micro-batches" in res.stdout
     # each order's evaluation after its steps (Pipeline.eval, forward only): the one process's loss
     evals = [ln for ln in res.stdout.splitlines() if ln.startswith("evaluation after the steps")]
@@ -129,9 +135,10 @@ def test_pipeline_gpt_trains_like_one_process_in_every_order(tmp_path):
 def test_the_pipeline_program_trains_like_one_process(tmp_path):
     """--from-schedule: the stages built from examples/gpt_pipeline.ccn's schedule pp_zero_bubble
     (its 4 layers cut into 2 stage programs, each compiled with its B and W), on 4 ranks (tensor
-    parallel 2 in each stage)."""
-    res = _train(tmp_path, 4, "pp_tp", "--layers", "4", "--from-schedule", "--order", "zero_bubble")
+    parallel 2 in each stage), the gradients clipped."""
+    res = _train(tmp_path, 4, "pp_tp", "--layers", "4", "--from-schedule", "--order", "zero_bubble", "--grad-clip", "0.5")
     _check(res, ["pp_tp/zero_bubble"], 4)
+    assert "gradients clipped to norm 0.5" in res.stdout, res.stdout  # (the stages' stacked weights' norms)
     assert "(stages: gpt_pipeline.ccn's schedule pp_zero_bubble)" in res.stdout
 
 

@@ -7,6 +7,7 @@ programs (docs/pipeline.md).
     pipe = Pipeline([Chunk(layers, pre=embed, post=head)], "1f1b", microbatches=4,
                     comm=pp_comm, loss_fn=loss)
     loss = pipe.step(idx, target)           # every rank of the pipeline, together
+    pipe.clip_grad_norm_(1.0, embed_and_head_params)  # before opt.step(): the whole model's norm
     val = pipe.eval(idx, target, pdrop=0.0) # forward only (torch's schedule.eval): the batch's loss
 
 A `Chunk` is what one virtual stage computes on this rank: an optional torch module first (the
@@ -36,8 +37,9 @@ those of the batch's mean loss, as one process computes them."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -551,6 +553,53 @@ class Pipeline:
             self._retimes -= 1
             self.order = self._retimed()
         return sum(self._losses) / M if self.rank == last else None
+
+    def clip_grad_norm_(self, max_norm: float, params: Iterable[torch.Tensor] = (), norm_type: float = 2.0, *,
+                        tied: Iterable[torch.Tensor] = ()) -> float:
+        """torch.nn.utils.clip_grad_norm_ over the whole model this pipeline trains, every rank
+        of it together: the NORM_TYPE norm of all of the model's gradients, each parameter
+        counted once: the layers' weights of every stage (one sliced across a stage's
+        tensor-parallel group: its parts; a replicated one: once) and PARAMS, the parameters of
+        the torch parts this rank holds (the embeddings, the head), replicated across its
+        tensor-parallel group; then every one of those gradients, and TIED's, scaled by
+        max_norm / (norm + 1e-6) where that is below 1. TIED: this rank's copies of parameters
+        another stage holds too and passes in its PARAMS (a head tied to the token embedding,
+        on the last stage): scaled alike, not counted again. Returns the norm, the same on every
+        rank. Call it after step() (and after adding up tied weights' and data-parallel
+        groups' gradients, which it leaves alike), before the optimizer's step. A gradient
+        that is None is left out, as torch does."""
+        from mpi4py import MPI
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"Pipeline.clip_grad_norm_: max_norm must be a number above 0, got {max_norm!r}")
+        p = float(norm_type)
+        if not (p > 0):
+            raise ValueError(f"Pipeline.clip_grad_norm_: norm_type must be above 0 (or inf), got {norm_type!r}")
+        grads = self._grads(params) + [(t.grad, False) for t in tied if t.grad is not None]
+        inf = math.isinf(p)
+        mine = 0.0
+        for g, counted in grads:
+            if counted and g.numel():
+                v = float(torch.linalg.vector_norm(g.detach().double(), p))
+                mine = max(mine, v) if inf else mine + v ** p
+        op = MPI.MAX if inf else MPI.SUM
+        if self.tp_comm is not None:
+            mine = self.tp_comm.allreduce(mine, op=op)
+        total = self.comm.allreduce(mine, op=op)
+        norm = total if inf else total ** (1.0 / p)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g, _ in grads:
+                g.mul_(coef)
+        return norm
+
+    def _grads(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
+        """The gradients clip_grad_norm_ scales, each with whether this rank counts it in the
+        norm: the layers' (a replicated weight's on its tensor-parallel group's first rank
+        only) and PARAMS' (replicated across the group: its first rank's)."""
+        first_of_group = self.tp_comm is None or self.tp_comm.Get_rank() == 0
+        out = [(t.grad, ly.block._decl[n].type.layout.kind != "replicated" or first_of_group)
+               for c in self.chunks for ly in c.layers for n, t in ly.params.items() if t.grad is not None]
+        return out + [(t.grad, first_of_group) for t in params if t.grad is not None]
 
     def eval(self, x: Any = None, target: Any = None, **scalars: Any) -> Any:
         """Forward only over the batch, as torch's `schedule.eval`: X (the first stage's ranks)
