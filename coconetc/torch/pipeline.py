@@ -608,14 +608,13 @@ class Pipeline:
         `.grad` (each layer runs its block's program itself; the torch parts under
         torch.no_grad()). On the last stage's ranks, with TARGET the batch's mean loss (loss_fn's
         over the micro-batches, averaged), without it the last stage's outputs (post's, else the
-        last layer's) concatenated along dim 0; None elsewhere. SCALARS: values of the layers'
-        scalars for this call, given to every layer that has them (`pdrop=0.0`: no dropout, as
-        torch's `model.eval()`); a name no layer of the pipeline has is a ValueError on every
-        rank. `events` holds what ran when."""
+        last layer's) joined along dim 0 (a tuple of them element by element); None elsewhere.
+        SCALARS: values of the layers' scalars for this call, given to every layer that has them
+        (`pdrop=0.0`: no dropout, as torch's `model.eval()`); a name no layer of the pipeline has
+        is a ValueError on every rank. `events` holds what ran when."""
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
         mine = sorted({n for c in self.chunks for ly in c.layers for n in ly.block.scalars})
-
         (self._xs, self._ts), told = self._agree(
             lambda: (self._cut("x", x, M, "eval") if self.rank == first else [],
                      self._cut("target", target, M, "eval") if self.rank == last and target is not None else []),
@@ -650,7 +649,7 @@ class Pipeline:
         self._shapes[batch] = {**self._known, **self._seen}
         if self.rank != last:
             return None
-        return sum(outs) / M if self._ts else torch.cat(outs, dim=0)
+        return sum(outs) / M if self._ts else _joined(outs)
 
     def _infer(self, act: _orders.Action, scalars: dict[str, Any]) -> Any:
         """One micro-batch through this rank's chunk (eval): what the last stage makes of it
@@ -769,6 +768,16 @@ class Pipeline:
             raise ValueError(f"Pipeline.{fn}: {what}'s batch of {n} rows does not divide into "
                              f"microbatches={M} equal micro-batches (use a batch that is a multiple of {M})")
         return list(torch.split(v, n // M)) if isinstance(v, torch.Tensor) else np.split(v, M)
+
+
+def _joined(outs: list[Any]) -> Any:
+    """The micro-batches' outputs as one batch's, as torch's merge_chunks: tensors joined along
+    dim 0; a tuple (or list) of them joined element by element; anything else, the list."""
+    if all(isinstance(o, torch.Tensor) for o in outs):
+        return torch.cat(outs, dim=0)
+    if all(isinstance(o, (tuple, list)) and len(o) == len(outs[0]) for o in outs):
+        return type(outs[0])(_joined([o[i] for o in outs]) for i in range(len(outs[0])))
+    return outs
 
 
 def from_schedule(source: str | Path, program: str, schedule: str, *, weights: dict[str, torch.Tensor],
