@@ -89,19 +89,24 @@ def nograd(pipe: Pipeline, x, t, rank: int) -> None:
 
 def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, rank: int) -> None:
     """Forward only (Pipeline.eval) over the batch of the first step: its loss (no dropout) that
-    step's, its outputs' loss the same, a dropout given for the call another, nothing added to
-    .grad; a scalar no layer has refused on every rank."""
+    step's, its outputs' loss the same, a dropout given for the call another, a post's tuple
+    joined element by element, nothing added to .grad; a scalar no layer has refused on every
+    rank."""
     grads = [w.grad.clone() for w in chunk.layers[0].params.values()]
     loss, out = pipe.eval(x, t), pipe.eval(x)
     dropped = pipe.eval(x, t, pdrop=0.5)
     kept = all(torch.equal(w.grad, g) for w, g in zip(chunk.layers[0].params.values(), grads))
+    # a post returning a tuple: each of its elements joined over the micro-batches
+    pair = Pipeline([Chunk(chunk.layers, post=(lambda v: (v, v.sum(-1))) if rank == 1 else None)], "1f1b",
+                    microbatches=4, comm=pipe.comm, loss_fn=mse).eval(x)
     if rank == 1:
         mine = float(mse(out, t))
         ok = abs(loss - step_loss) <= 1e-6 * abs(step_loss) and abs(mine - step_loss) <= 1e-6 * abs(step_loss) \
-            and abs(dropped - step_loss) > 1e-3 * abs(step_loss)
+            and abs(dropped - step_loss) > 1e-3 * abs(step_loss) \
+            and isinstance(pair, tuple) and torch.equal(pair[0], out) and torch.equal(pair[1], out.sum(-1))
         print(f"eval {rank} {'ok' if ok and kept else 'WRONG'}: {loss} {mine} {step_loss} {dropped}", flush=True)
     else:
-        print(f"eval {rank} {'ok' if loss is None and out is None and dropped is None and kept else 'WRONG'}",
+        print(f"eval {rank} {'ok' if loss is None and out is None and dropped is None and pair is None and kept else 'WRONG'}",
               flush=True)
     try:
         pipe.eval(x, t, pdropp=0.0)
