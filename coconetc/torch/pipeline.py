@@ -522,33 +522,10 @@ class Pipeline:
             lambda: (self._cut("x", x, M) if self._grad_mode() and self.rank == first else [],
                      self._cut("target", target, M) if self.rank == last else []),
             lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
-        batch = told[first]
-        self._known = self._shapes.get(batch, {}) if self._ahead else {}
-        self._seen, self._pending, self._keep, self._posted = {}, [], [], {}
-        self._todo = self._receives(order.actions[self.rank])
-        self._post(F)
-        self._post(B)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> what its backward starts from
         self._losses: list[float] = []
-        self.events = []
-        t0 = time.perf_counter()
-        for act in order.actions[self.rank]:
-            start = time.perf_counter() - t0
-            self._waited = 0.0
-            if act.kind == F:
-                self._forward(act)
-            elif act.kind == B:
-                self._backward(act)
-            else:
-                for layer in self.chunks[act.chunk].layers:
-                    layer.weight(act.microbatch)
-            end = time.perf_counter() - t0
-            self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
-            self._progress()
-        self._wait(self._pending)
-        self._pending, self._keep = [], []
-        self._shapes[batch] = {**self._known, **self._seen}
+        self._run(order.actions[self.rank], told[first], self._act)
         if self._retimes:
             self._retimes -= 1
             self.order = self._retimed()
@@ -626,27 +603,14 @@ class Pipeline:
                              f"{', '.join(have) or 'none'})")
         acts = sorted((_orders.Action(F, m, c) for c in range(len(self.chunks)) for m in range(M)),
                       key=lambda a: (order.stage(self.rank, a.chunk), a.microbatch))
-        batch = told[first][0]
-        self._known = self._shapes.get(batch, {}) if self._ahead else {}
-        self._seen, self._pending, self._keep, self._posted = {}, [], [], {}
-        self._todo = self._receives(acts)
-        self._post(F)
         outs: list[Any] = []
-        self.events = []
-        t0 = time.perf_counter()
+
+        def infer(act: _orders.Action) -> None:
+            out = self._infer(act, scalars)
+            if out is not None:
+                outs.append(out)
         with torch.no_grad():
-            for act in acts:
-                start = time.perf_counter() - t0
-                self._waited = 0.0
-                out = self._infer(act, scalars)
-                if out is not None:
-                    outs.append(out)
-                end = time.perf_counter() - t0
-                self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
-                self._progress()
-        self._wait(self._pending)
-        self._pending, self._keep = [], []
-        self._shapes[batch] = {**self._known, **self._seen}
+            self._run(acts, told[first][0], infer)
         if self.rank != last:
             return None
         return sum(outs) / M if self._ts else _joined(outs)
@@ -673,6 +637,38 @@ class Pipeline:
             assert self.loss_fn is not None
             return float(self.loss_fn(out, self._ts[m]))
         return out
+
+    def _run(self, acts: Sequence[_orders.Action], batch: Any, do: Callable[[_orders.Action], None]) -> None:
+        """DO each of this rank's ACTS in order (step's, eval's), with the messages of a batch of
+        the shape BATCH (its boundaries' shapes known from an earlier one: the receives posted
+        ahead), each one's time in `events`; then the sends' end waited for."""
+        self._known = self._shapes.get(batch, {}) if self._ahead else {}
+        self._seen, self._pending, self._keep, self._posted = {}, [], [], {}
+        self._todo = self._receives(acts)
+        self._post(F)
+        self._post(B)
+        self.events = []
+        t0 = time.perf_counter()
+        for act in acts:
+            start = time.perf_counter() - t0
+            self._waited = 0.0
+            do(act)
+            end = time.perf_counter() - t0
+            self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
+            self._progress()
+        self._wait(self._pending)
+        self._pending, self._keep = [], []
+        self._shapes[batch] = {**self._known, **self._seen}
+
+    def _act(self, act: _orders.Action) -> None:
+        """One action of a step: a forward, a backward, or the layers' weight gradients."""
+        if act.kind == F:
+            self._forward(act)
+        elif act.kind == B:
+            self._backward(act)
+        else:
+            for layer in self.chunks[act.chunk].layers:
+                layer.weight(act.microbatch)
 
     def _retimed(self) -> _orders.Order:
         """The order scheduled again for the action times of the steps so far: each virtual
