@@ -87,6 +87,25 @@ def nograd(pipe: Pipeline, x, t, rank: int) -> None:
         pipe.step(x, t)
 
 
+def clipped(pipe: Pipeline, chunk: Chunk, rank: int) -> None:
+    """clip_grad_norm_ against torch's norm of norms over both stages' weights (gathered), norm
+    types 1, 2 and inf, the weights passed as params too (each counted once): the norm, and each
+    gradient scaled by max_norm / (norm + 1e-6)."""
+    ws = list(chunk.layers[0].params.values())
+    ok = True
+    for p in (1.0, 2.0, math.inf):
+        grads = [w.grad.clone() for w in ws]
+        every = [torch.from_numpy(a) for part in pipe.comm.allgather([g.numpy() for g in grads]) for a in part]
+        want = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, p) for g in every]), p))
+        got = pipe.clip_grad_norm_(1e-3, ws, norm_type=p)
+        coef = 1e-3 / (want + 1e-6)
+        ok = ok and abs(got - want) <= 1e-6 * want and all(
+            torch.allclose(w.grad, g * coef, rtol=1e-5, atol=0) for w, g in zip(ws, grads))
+        for w, g in zip(ws, grads):
+            w.grad = g
+    print(f"clipnorm {rank} {'ok' if ok else 'WRONG'}", flush=True)
+
+
 def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, rank: int) -> None:
     """Forward only (Pipeline.eval) over the batch of the first step: its loss (no dropout) that
     step's, its outputs' loss the same, a dropout given for the call another, a post's tuple
@@ -168,6 +187,7 @@ def main() -> None:
                for a, b in ((runs[0], runs[1]), (runs[0], runs[3])))
     print(f"steps {rank} {' '.join(map(str, known))} {'same' if same else 'DIFFER'}", flush=True)
     evaluated(pipe, chunk, x, t, runs[0][1], rank)
+    clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,
                      comm=comm, loss_fn=mse)

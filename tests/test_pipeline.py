@@ -54,6 +54,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     # a dropout rate given for the call used, .grad untouched; a scalar no layer has: refused
     assert sorted(m.split(":")[0] for m in said["eval"]) == ["0 ok", "1 ok"], log
     assert len(said["pre"]) == 2, log  # a pre whose output needs no gradient: no backward through it
+    assert sorted(said["clipnorm"]) == ["0 ok", "1 ok"], log  # torch's norms (1, 2, inf) over both stages
     assert len(said["evalscalar"]) == 2 and all(
         "no layer of the pipeline has a scalar 'pdropp' (their scalars: pdrop, scale, seed)" in m
         for m in said["evalscalar"]), log

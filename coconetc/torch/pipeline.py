@@ -538,7 +538,8 @@ class Pipeline:
         counted once: the layers' weights of every stage (one sliced across a stage's
         tensor-parallel group: its parts; a replicated one: once) and PARAMS, the parameters of
         the torch parts this rank holds (the embeddings, the head), replicated across its
-        tensor-parallel group; then every one of those gradients, and TIED's, scaled by
+        tensor-parallel group (a layer's weight among them counted as the layer's, each tensor
+        once); then every one of those gradients, and TIED's, scaled by
         max_norm / (norm + 1e-6) where that is below 1. TIED: this rank's copies of parameters
         another stage holds too and passes in its PARAMS (a head tied to the token embedding,
         on the last stage): scaled alike, not counted again. Returns the norm, the same on every
@@ -574,9 +575,11 @@ class Pipeline:
         norm: the layers' (a replicated weight's on its tensor-parallel group's first rank
         only) and PARAMS' (replicated across the group: its first rank's)."""
         first_of_group = self.tp_comm is None or self.tp_comm.Get_rank() == 0
+        layers = [(n, t, ly) for c in self.chunks for ly in c.layers for n, t in ly.params.items()]
         out = [(t.grad, ly.block._decl[n].type.layout.kind != "replicated" or first_of_group)
-               for c in self.chunks for ly in c.layers for n, t in ly.params.items() if t.grad is not None]
-        return out + [(t.grad, first_of_group) for t in params if t.grad is not None]
+               for n, t, ly in layers if t.grad is not None]
+        seen = {id(t) for _, t, _ in layers}  # (a layer's weight passed in PARAMS too: counted as the layer's)
+        return out + [(t.grad, first_of_group) for t in dict.fromkeys(params) if t.grad is not None and id(t) not in seen]
 
     def eval(self, x: Any = None, target: Any = None, **scalars: Any) -> Any:
         """Forward only over the batch, as torch's `schedule.eval`: X (the first stage's ranks)
