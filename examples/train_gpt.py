@@ -317,11 +317,16 @@ def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, gro
 
 
 # --- one mode: train both, compare ----------------------------------------------------------------
+def reference_loss(ref: Any, idx: Any, tgt: Any, a: argparse.Namespace) -> Any:
+    """The one-process model's mean cross-entropy on the whole batch."""
+    import torch.nn.functional as F
+    return F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
+
+
 def reference_step(ref: Any, ref_opt: Any, idx: Any, tgt: Any, a: argparse.Namespace) -> float:
     """The one-process model's loss and gradients on the whole batch (before its optimizer steps)."""
-    import torch.nn.functional as F
     ref_opt.zero_grad()
-    loss = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
+    loss = reference_loss(ref, idx, tgt, a)
     loss.backward()
     return loss.item()
 
@@ -550,7 +555,7 @@ def run_pipeline(mode: str, order: str, a: argparse.Namespace, comm: Any) -> dic
     val = pipe.eval(idx[rows], tgt[rows], pdrop=0.0)
     val = comm.allreduce(val if holder else 0.0)
     with torch.no_grad():
-        ref_val = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1)).item()
+        ref_val = reference_loss(ref, idx, tgt, a).item()
     held = comm.allreduce(sum(p.numel() for p in params.values()), op=MPI.MAX)
     how = (f"{P} stages x tensor parallel {T}" + (f" x data parallel {dp}" if dp > 1 else "")
            + (f" (stages: {GPT_PIPELINE.name}'s schedule pp_{order})" if a.from_schedule else "")

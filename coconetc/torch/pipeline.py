@@ -215,7 +215,7 @@ class Layer:
         program itself, with SCALARS (those of its own among them) in place of the layer's."""
         b = self.block
         fn = b.plain if b.plain is not None else b.fwd
-        kw = {**self.params, **self.scalars, **{k: v for k, v in scalars.items() if k in b.scalars}}
+        kw = {**self._args(), **{k: v for k, v in scalars.items() if k in b.scalars}}
         return b.call(fn, b.schedule, **kw, **{b.input: x})[b.output]
 
     def _bwd_args(self, m: int, dy: torch.Tensor) -> dict[str, Any]:
@@ -518,10 +518,12 @@ class Pipeline:
         `events` holds what ran when."""
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
+        def cut() -> tuple[list[Any], list[Any]]:
+            self._need_grad()
+            return (self._cut("x", x, M) if self.rank == first else [],
+                    self._cut("target", target, M) if self.rank == last else [])
         (self._xs, self._ts), told = self._agree(
-            lambda: (self._cut("x", x, M) if self._grad_mode() and self.rank == first else [],
-                     self._cut("target", target, M) if self.rank == last else []),
-            lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
+            cut, lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> what its backward starts from
         self._losses: list[float] = []
@@ -750,14 +752,13 @@ class Pipeline:
         shape and layout, so every stage receives the same kind of activation): this rank's."""
         return self.chunks[0].layers or next((c.layers for c in self.chunks if c.layers), ())
 
-    def _grad_mode(self) -> bool:
-        """True where autograd is on, as a step's backward needs (the torch parts' graphs); else
-        a ValueError, which step() raises on every rank."""
+    def _need_grad(self) -> None:
+        """A ValueError, which step() raises on every rank, where autograd is off: a step's
+        backward needs it on (the torch parts' graphs)."""
         if not torch.is_grad_enabled():
             raise ValueError(f"Pipeline.step: rank {self.rank} runs it with autograd off (inside torch.no_grad() or "
                              "torch.inference_mode()), which a step's backward needs on; for a forward only "
                              "use Pipeline.eval, which needs no gradients")
-        return True
 
     def _cut(self, what: str, v: Any, M: int, fn: str = "step") -> list[Any]:
         if v is None:
