@@ -106,13 +106,15 @@ def clipped(pipe: Pipeline, chunk: Chunk, rank: int) -> None:
     print(f"clipnorm {rank} {'ok' if ok else 'WRONG'}", flush=True)
 
 
-def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, rank: int) -> None:
+def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, step_losses: list, rank: int) -> None:
     """Forward only (Pipeline.eval) over the batch of the first step: its loss (no dropout) that
-    step's, its outputs' loss the same, a dropout given for the call another, a post's tuple
+    step's, and each micro-batch's (losses=) too, the step's per micro-batch (their mean its
+    loss); its outputs' loss the same, a dropout given for the call another, a post's tuple
     joined element by element, nothing added to .grad; a scalar no layer has refused on every
     rank."""
     grads = [w.grad.clone() for w in chunk.layers[0].params.values()]
-    loss, out = pipe.eval(x, t), pipe.eval(x)
+    each: list = []
+    loss, out = pipe.eval(x, t, losses=each), pipe.eval(x)
     dropped = pipe.eval(x, t, pdrop=0.5)
     kept = all(torch.equal(w.grad, g) for w, g in zip(chunk.layers[0].params.values(), grads))
     # a post returning a tuple: each of its elements joined over the micro-batches
@@ -123,9 +125,16 @@ def evaluated(pipe: Pipeline, chunk: Chunk, x, t, step_loss, rank: int) -> None:
         ok = abs(loss - step_loss) <= 1e-6 * abs(step_loss) and abs(mine - step_loss) <= 1e-6 * abs(step_loss) \
             and abs(dropped - step_loss) > 1e-3 * abs(step_loss) \
             and isinstance(pair, tuple) and torch.equal(pair[0], out) and torch.equal(pair[1], out.sum(-1))
+        # each micro-batch's loss: the step's (a 0-d tensor each, in order) are the eval's and its outputs'
+        rows = x.shape[0] // 4
+        ok = ok and len(step_losses) == len(each) == 4 and all(v.dim() == 0 and not v.requires_grad for v in step_losses) \
+            and abs(float(sum(step_losses)) / 4 - step_loss) <= 1e-6 * abs(step_loss) and all(
+                abs(float(a) - float(b)) <= 1e-6 * abs(float(a)) and abs(float(a) - float(mse(out[m * rows:(m + 1) * rows],
+                                                                                     t[m * rows:(m + 1) * rows])))
+                <= 1e-6 * abs(float(a)) for m, (a, b) in enumerate(zip(step_losses, each)))
         print(f"eval {rank} {'ok' if ok and kept else 'WRONG'}: {loss} {mine} {step_loss} {dropped}", flush=True)
     else:
-        print(f"eval {rank} {'ok' if loss is None and out is None and dropped is None and pair is None and kept else 'WRONG'}",
+        print(f"eval {rank} {'ok' if loss is None and out is None and dropped is None and pair is None and kept and not each and not step_losses else 'WRONG'}",
               flush=True)
     try:
         pipe.eval(x, t, pdropp=0.0)
@@ -157,6 +166,8 @@ def main() -> None:
         "loss": lambda: Pipeline([chunk], "gpipe", microbatches=4, comm=comm),
         "chunks": lambda: Pipeline([chunk], "interleaved", microbatches=4, comm=comm, loss_fn=mse),
         "target": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, None),
+        "losses": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(
+            x, t, losses=() if rank == 0 else []),
         "nograd": lambda: nograd(Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse), x, t, rank),
         "clip": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).clip_grad_norm_(0.0),
         "schedule": lambda: Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF, grad_schedule="overlaped"),
@@ -178,15 +189,16 @@ def main() -> None:
         pipe._nap = 5e-5 if i >= 2 else 0.0
         for w in chunk.layers[0].params.values():
             w.grad = None
-        loss = pipe.step(x[:rows], t[:rows])
+        losses: list = []
+        loss = pipe.step(x[:rows], t[:rows], losses=losses)
         known.append(len(pipe._known))
-        runs.append((rows, loss, [w.grad.clone() for w in chunk.layers[0].params.values()]))
+        runs.append((rows, loss, [w.grad.clone() for w in chunk.layers[0].params.values()], losses))
         if len(runs) == 1:
             print(f"step ok: {loss if rank == 1 else 'sent'}", flush=True)
     same = all(a[1] == b[1] and all(torch.equal(g, h) for g, h in zip(a[2], b[2]))
                for a, b in ((runs[0], runs[1]), (runs[0], runs[3])))
     print(f"steps {rank} {' '.join(map(str, known))} {'same' if same else 'DIFFER'}", flush=True)
-    evaluated(pipe, chunk, x, t, runs[0][1], rank)
+    evaluated(pipe, chunk, x, t, runs[0][1], runs[0][3], rank)
     clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,

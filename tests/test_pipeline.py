@@ -31,8 +31,10 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
         name, _, msg = ln.partition(" ")
         said.setdefault(name, []).append(msg)
     assert all(len(said[c]) == 2 and all(m.startswith("ok: ") for m in said[c])
-               for c in ("batch", "empty", "loss", "chunks", "target", "nograd", "clip", "schedule", "parts",
+               for c in ("batch", "empty", "loss", "chunks", "target", "losses", "nograd", "clip", "schedule", "parts",
                          "dims")), log
+    assert "losses must be a list (each micro-batch's loss is appended to it) or None, got tuple" in said["losses"][0], log
+    assert "rank 0 refused: TypeError: Pipeline.step: losses must be a list" in said["losses"][1], log
     assert all("max_norm must be a number above 0, got 0.0" in m for m in said["clip"]), log
     assert "does not divide into microbatches=4" in said["batch"][0] and "6 rows" in said["batch"][0], log
     assert "rank 0 refused" in said["batch"][1] and "6 rows" in said["batch"][1], log  # the last stage: told
@@ -51,6 +53,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     # receives posted ahead without headers; the same losses and gradients as the headers' step
     assert sorted(said["steps"]) == ["0 0 2 0 2 same", "1 0 2 0 2 same"], log
     # forward only: the step's loss (and its outputs' loss) on the last stage, None on the first,
+    # each micro-batch's loss (losses=) the step's, in order,
     # a dropout rate given for the call used, .grad untouched; a scalar no layer has: refused
     assert sorted(m.split(":")[0] for m in said["eval"]) == ["0 ok", "1 ok"], log
     assert len(said["pre"]) == 2, log  # a pre whose output needs no gradient: no backward through it

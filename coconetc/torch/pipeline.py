@@ -510,28 +510,31 @@ class Pipeline:
             self._pending = [r for r in self._pending if r]
 
     # --- the step -------------------------------------------------------------------------------
-    def step(self, x: Any = None, target: Any = None) -> float | None:
+    def step(self, x: Any = None, target: Any = None, *, losses: list | None = None) -> float | None:
         """One step over the batch: X (the first stage's ranks: its first dim the batch, cut into
         `microbatches` equal parts) and TARGET (the last stage's, cut the same way). Leaves each
         parameter's gradient of the batch's mean loss in `.grad` (added to what is there, as
         torch's backward does); returns the mean loss on the last stage's ranks, None elsewhere.
-        `events` holds what ran when."""
+        LOSSES: a list the last stage's ranks append each micro-batch's loss to (loss_fn's, a
+        detached tensor, in micro-batch order), as torch's `schedule.step(..., losses=)`; the
+        other ranks' is left as it is. `events` holds what ran when."""
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
         def cut() -> tuple[list[Any], list[Any]]:
             self._need_grad()
+            _check_losses("step", losses)
             return (self._cut("x", x, M) if self.rank == first else [],
                     self._cut("target", target, M) if self.rank == last else [])
         (self._xs, self._ts), told = self._agree(
             cut, lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> what its backward starts from
-        self._losses: list[float] = []
+        self._losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss (the last stage's)
         self._run(order.actions[self.rank], told[first], self._act)
         if self._retimes:
             self._retimes -= 1
             self.order = self._retimed()
-        return sum(self._losses) / M if self.rank == last else None
+        return _mean_loss(self._losses, M, losses) if self.rank == last else None
 
     def clip_grad_norm_(self, max_norm: float, params: Iterable[torch.Tensor] = (), norm_type: float = 2.0, *,
                         tied: Iterable[torch.Tensor] = ()) -> float:
@@ -583,7 +586,7 @@ class Pipeline:
         seen = {id(t) for _, t, _ in layers}  # (a layer's weight passed in PARAMS too: counted as the layer's)
         return out + [(t.grad, first_of_group) for t in dict.fromkeys(params) if t.grad is not None and id(t) not in seen]
 
-    def eval(self, x: Any = None, target: Any = None, **scalars: Any) -> Any:
+    def eval(self, x: Any = None, target: Any = None, *, losses: list | None = None, **scalars: Any) -> Any:
         """Forward only over the batch, as torch's `schedule.eval`: X (the first stage's ranks)
         and TARGET (the last stage's; optional) cut into micro-batches as step() cuts them, each
         micro-batch through every stage, nothing kept for a backward and nothing added to
@@ -593,13 +596,18 @@ class Pipeline:
         last layer's) joined along dim 0 (a tuple of them element by element); None elsewhere.
         SCALARS: values of the layers' scalars for this call, given to every layer that has them
         (`pdrop=0.0`: no dropout, as torch's `model.eval()`); a name no layer of the pipeline has
-        is a ValueError on every rank. `events` holds what ran when."""
+        is a ValueError on every rank. LOSSES: with TARGET, as step()'s. `events` holds what ran
+        when."""
         M, order = self.microbatches, self.order
         first, last = order.place(0)[0], order.place(order.stages - 1)[0]
         mine = sorted({n for c in self.chunks for ly in c.layers for n in ly.block.scalars})
+
+        def cut() -> tuple[list[Any], list[Any]]:
+            _check_losses("eval", losses)
+            return (self._cut("x", x, M, "eval") if self.rank == first else [],
+                    self._cut("target", target, M, "eval") if self.rank == last and target is not None else [])
         (self._xs, self._ts), told = self._agree(
-            lambda: (self._cut("x", x, M, "eval") if self.rank == first else [],
-                     self._cut("target", target, M, "eval") if self.rank == last and target is not None else []),
+            cut,
             lambda v: ((tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None, mine))
         have = sorted({n for _, names in told for n in names})
         unknown = sorted(set(scalars) - set(have))
@@ -608,21 +616,21 @@ class Pipeline:
                              f"{', '.join(have) or 'none'})")
         acts = sorted((_orders.Action(F, m, c) for c in range(len(self.chunks)) for m in range(M)),
                       key=lambda a: (order.stage(self.rank, a.chunk), a.microbatch))
-        outs: list[Any] = []
+        outs: dict[int, Any] = {}  # micro-batch -> the last stage's output (its loss where a target was given)
 
         def infer(act: _orders.Action) -> None:
             out = self._infer(act, scalars)
             if out is not None:
-                outs.append(out)
+                outs[act.microbatch] = out
         with torch.no_grad():
             self._run(acts, told[first][0], infer)
         if self.rank != last:
             return None
-        return sum(outs) / M if self._ts else _joined(outs)
+        return _mean_loss(outs, M, losses) if self._ts else _joined([outs[m] for m in range(M)])
 
     def _infer(self, act: _orders.Action, scalars: dict[str, Any]) -> Any:
         """One micro-batch through this rank's chunk (eval): what the last stage makes of it
-        (its loss, as a float, where a target was given), None on the others."""
+        (its loss where a target was given), None on the others."""
         order, chunk, m = self.order, self.chunks[act.chunk], act.microbatch
         stage = order.stage(self.rank, act.chunk)
         if stage == 0:
@@ -640,7 +648,7 @@ class Pipeline:
         out = chunk.post(h) if chunk.post is not None else h
         if self._ts:
             assert self.loss_fn is not None
-            return float(self.loss_fn(out, self._ts[m]))
+            return self.loss_fn(out, self._ts[m]).detach()
         return out
 
     def _run(self, acts: Sequence[_orders.Action], batch: Any, do: Callable[[_orders.Action], None]) -> None:
@@ -722,7 +730,7 @@ class Pipeline:
         out = chunk.post(leaf) if chunk.post is not None else leaf
         assert self.loss_fn is not None
         loss = self.loss_fn(out, self._ts[act.microbatch])
-        self._losses.append(float(loss.detach()))
+        self._losses[act.microbatch] = loss.detach()
         self._outputs[key] = loss / self.microbatches
         self._inputs[key] = leaf
 
@@ -768,6 +776,21 @@ class Pipeline:
             raise ValueError(f"Pipeline.{fn}: {what}'s batch of {n} rows does not divide into "
                              f"microbatches={M} equal micro-batches (use a batch that is a multiple of {M})")
         return list(torch.split(v, n // M)) if isinstance(v, torch.Tensor) else np.split(v, M)
+
+
+def _check_losses(what: str, losses: Any) -> None:
+    if losses is not None and not isinstance(losses, list):
+        raise TypeError(f"Pipeline.{what}: losses must be a list (each micro-batch's loss is appended to it) or None, "
+                        f"got {type(losses).__name__}")
+
+
+def _mean_loss(by_microbatch: dict[int, torch.Tensor], M: int, losses: list | None) -> float:
+    """The batch's mean loss from each micro-batch's (a dict by micro-batch), which LOSSES (where
+    a list) gets appended in micro-batch order."""
+    ordered = [by_microbatch[m] for m in range(M)]
+    if losses is not None:
+        losses.extend(ordered)
+    return sum(float(v) for v in ordered) / M
 
 
 def _joined(outs: list[Any]) -> Any:
