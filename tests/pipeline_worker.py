@@ -168,6 +168,7 @@ def main() -> None:
         "target": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, None),
         "losses": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(
             x, t, losses=() if rank == 0 else []),
+        "scale": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse, scale_grads=rank == 0),
         "nograd": lambda: nograd(Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse), x, t, rank),
         "clip": lambda: Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).clip_grad_norm_(0.0),
         "schedule": lambda: Block(GPT_BLOCK, "gpt_block", comm=MPI.COMM_SELF, grad_schedule="overlaped"),
@@ -199,6 +200,14 @@ def main() -> None:
                for a, b in ((runs[0], runs[1]), (runs[0], runs[3])))
     print(f"steps {rank} {' '.join(map(str, known))} {'same' if same else 'DIFFER'}", flush=True)
     evaluated(pipe, chunk, x, t, runs[0][1], runs[0][3], rank)
+    # scale_grads=False: each micro-batch's loss not divided by 4, so 4 times the first step's
+    # gradients (the same order's first step: the same sums, each term times 4)
+    for w in chunk.layers[0].params.values():
+        w.grad = None
+    summed = Pipeline([chunk], "zero_bubble", microbatches=4, comm=comm, loss_fn=mse, scale_grads=False)
+    again = summed.step(x, t)
+    four = all(torch.equal(w.grad, g * 4) for w, g in zip(chunk.layers[0].params.values(), runs[0][2]))
+    print(f"summed {rank} {'ok' if four and again == runs[0][1] else 'WRONG'}", flush=True)
     clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,

@@ -31,8 +31,9 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
         name, _, msg = ln.partition(" ")
         said.setdefault(name, []).append(msg)
     assert all(len(said[c]) == 2 and all(m.startswith("ok: ") for m in said[c])
-               for c in ("batch", "empty", "loss", "chunks", "target", "losses", "nograd", "clip", "schedule", "parts",
-                         "dims")), log
+               for c in ("batch", "empty", "loss", "chunks", "target", "losses", "scale", "nograd", "clip", "schedule",
+                         "parts", "dims")), log
+    assert all("scale_grads differs across the ranks (rank 0: True, rank 1: False)" in m for m in said["scale"]), log
     assert "losses must be a list (each micro-batch's loss is appended to it) or None, got tuple" in said["losses"][0], log
     assert "rank 0 refused: TypeError: Pipeline.step: losses must be a list" in said["losses"][1], log
     assert all("max_norm must be a number above 0, got 0.0" in m for m in said["clip"]), log
@@ -58,6 +59,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert sorted(m.split(":")[0] for m in said["eval"]) == ["0 ok", "1 ok"], log
     assert len(said["pre"]) == 2, log  # a pre whose output needs no gradient: no backward through it
     assert sorted(said["clipnorm"]) == ["0 ok", "1 ok"], log  # torch's norms (1, 2, inf) over both stages
+    assert sorted(said["summed"]) == ["0 ok", "1 ok"], log  # scale_grads=False: the micro-batches' sum
     assert len(said["evalscalar"]) == 2 and all(
         "no layer of the pipeline has a scalar 'pdropp' (their scalars: pdrop, scale, seed)" in m
         for m in said["evalscalar"]), log

@@ -33,7 +33,7 @@ this shape sent; the first such step sends a header with each message) and waite
 their value is used; between layers the rank lets MPI move the messages in flight.
 
 The loss of each micro-batch is divided by the number of micro-batches, so the gradients are
-those of the batch's mean loss, as one process computes them."""
+those of the batch's mean loss, as one process computes them (scale_grads=False: their sum)."""
 
 from __future__ import annotations
 
@@ -311,16 +311,20 @@ class Pipeline:
     2 for zero_bubble_v, stages rank and 2 P - 1 - rank: Order.stage). loss_fn(output, target)
     -> the micro-batch's loss (mean over its rows); tp_comm: the stage's tensor-parallel group
     (for the sliced boundary), None for one rank; retime: a list-scheduled order given by name
-    is scheduled again for the action times each of the first RETIMED steps measured."""
+    is scheduled again for the action times each of the first RETIMED steps measured;
+    scale_grads: each micro-batch's loss divided by MICROBATCHES for its backward, so `.grad`
+    holds the gradients of the batch's mean loss (True, torch's default), or not (False: their
+    sum over the micro-batches); the same on every rank."""
 
     def __init__(self, chunks: Sequence[Chunk], order: str | _orders.Order, *, microbatches: int, comm: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, tp_comm: Any = None,
-                 retime: bool = True):
+                 retime: bool = True, scale_grads: bool = True):
         self.comm, self.tp_comm = comm, tp_comm
         self.rank, self.ranks = comm.Get_rank(), comm.Get_size()
         self.chunks = list(chunks)
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
         self.events: list[Event] = []
         # where received activations go: the device of the layers' weights
         self._device = next((t.device for c in self.chunks for ly in c.layers for t in ly.params.values()),
@@ -329,7 +333,10 @@ class Pipeline:
         self.rows: dict[tuple[int, str], tuple[int, int]] = {}  # the rows of a stacked one it took
         tp = 1 if tp_comm is None else tp_comm.Get_size()
         self._tp_sizes = comm.allgather(tp)
-        self.order, _ = self._agree(lambda: self._checked(order))
+        self.order, told = self._agree(lambda: self._checked(order), lambda _: scale_grads)
+        if len(set(told)) > 1:
+            raise ValueError(f"Pipeline: scale_grads differs across the ranks "
+                             f"({', '.join(f'rank {r}: {v}' for r, v in enumerate(told))}); pass the same on every rank")
         # a list-scheduled order named here is scheduled again for the action times measured in
         # each of the first RETIMED steps (orders.make's costs), the same on every rank
         self._retimes = RETIMED if retime and isinstance(order, str) and order in _orders.LIST_SCHEDULED else 0
@@ -378,6 +385,8 @@ class Pipeline:
                                  f"only the last, {got.stages - 1}, runs one")
         if self.rank == got.place(got.stages - 1)[0] and self.loss_fn is None:
             raise ValueError(f"Pipeline: rank {self.rank} holds the last stage and needs loss_fn=")
+        if not isinstance(self.scale_grads, bool):
+            raise TypeError(f"Pipeline: scale_grads must be True or False, got {self.scale_grads!r}")
         sizes = self._tp_sizes
         if len(set(sizes)) > 1:
             raise ValueError(f"Pipeline: the stages' tensor-parallel groups (tp_comm) differ in size: "
@@ -731,7 +740,7 @@ class Pipeline:
         assert self.loss_fn is not None
         loss = self.loss_fn(out, self._ts[act.microbatch])
         self._losses[act.microbatch] = loss.detach()
-        self._outputs[key] = loss / self.microbatches
+        self._outputs[key] = loss / self.microbatches if self.scale_grads else loss
         self._inputs[key] = leaf
 
     def _backward(self, act: _orders.Action) -> None:
@@ -806,7 +815,8 @@ def _joined(outs: list[Any]) -> Any:
 def from_schedule(source: str | Path, program: str, schedule: str, *, weights: dict[str, torch.Tensor],
                   comm: Any, tp_comm: Any = None, input: str = "x", scalars: dict[str, Any] | None = None,
                   pre: Callable[[Any], torch.Tensor] | None = None, post: Callable[[torch.Tensor], Any] | None = None,
-                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: str = "cpu") -> Pipeline:
+                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: str = "cpu",
+                  scale_grads: bool = True) -> Pipeline:
     """The Pipeline of PROGRAM's schedule SCHEDULE (a `pipeline(...)` directive, docs/pipeline.md):
     this rank's virtual stages, each the compiled program of its layers (the stage programs
     and their derived programs built into the file's module), with the directive's order and
@@ -818,7 +828,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
     (virtual stage, name) -> the leaf tensor whose `.grad` a step fills (give them to the
     optimizer; `pipe.rows`: (virtual stage, name) -> the rows [first, stop) of a stacked
     parameter it took); a parameter that several stages read (not stacked) is a leaf on each,
-    and their gradients add up to its gradient. backend: as Block's."""
+    and their gradients add up to its gradient. backend: as Block's; scale_grads: as Pipeline's."""
     from mpi4py import MPI
 
     from coconetc.schedule.pipeline import cut, directive, stage_input, stage_name, stage_program, stage_rows
@@ -860,6 +870,7 @@ def from_schedule(source: str | Path, program: str, schedule: str, *, weights: d
                 taken[(s, n)] = rows[n]
         layer = block.layer(mine, **{n: scalars[n] for n in block.scalars if n in scalars})
         chunks.append(Chunk([layer], pre=pre if s == 0 else None, post=post if s == last else None))
-    pipe = Pipeline(chunks, c.order, microbatches=c.order.microbatches, comm=comm, loss_fn=loss_fn, tp_comm=tp_comm)
+    pipe = Pipeline(chunks, c.order, microbatches=c.order.microbatches, comm=comm, loss_fn=loss_fn, tp_comm=tp_comm,
+                    scale_grads=scale_grads)
     pipe.parameters, pipe.rows = params, taken
     return pipe
