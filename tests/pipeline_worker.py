@@ -87,6 +87,23 @@ def nograd(pipe: Pipeline, x, t, rank: int) -> None:
         pipe.step(x, t)
 
 
+def profiled(pipe: Pipeline, x, t, rank: int) -> None:
+    """A step under torch.profiler: each action a range named as torch's pipelining schedules
+    name theirs (PP:<stage><kind><micro-batch>; zero bubble: F, I, W), each layer's compiled
+    call a `coconet <program>[<schedule>]` range inside its action's."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.step(x, t)
+    evs = [e for e in prof.events() if e.name.startswith(("PP:", "coconet "))]
+    names = sorted(e.name for e in evs if e.name.startswith("PP:"))
+    want = sorted(f"PP:{rank}{k}{m}" for k in "FIW" for m in range(4))
+    calls = {k: sum(e.name.startswith(f"coconet gpt_block_{k}") for e in evs) for k in ("fwd", "bwd_input", "bwd_weight")}
+    inside = all(any(a.name.startswith("PP:") and a.time_range.start <= c.time_range.start
+                     and c.time_range.end <= a.time_range.end for a in evs)
+                 for c in evs if c.name.startswith("coconet "))
+    ok = names == want and calls == {"fwd": 4, "bwd_input": 4, "bwd_weight": 4} and inside
+    print(f"profiled {rank} {'ok' if ok else 'WRONG'}: {names} {calls} {inside}", flush=True)
+
+
 def clipped(pipe: Pipeline, chunk: Chunk, rank: int) -> None:
     """clip_grad_norm_ against torch's norm of norms over both stages' weights (gathered), norm
     types 1, 2 and inf, the weights passed as params too (each counted once): the norm, and each
@@ -208,6 +225,7 @@ def main() -> None:
     again = summed.step(x, t)
     four = all(torch.equal(w.grad, g * 4) for w, g in zip(chunk.layers[0].params.values(), runs[0][2]))
     print(f"summed {rank} {'ok' if four and again == runs[0][1] else 'WRONG'}", flush=True)
+    profiled(pipe, x, t, rank)
     clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,

@@ -60,6 +60,8 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert len(said["pre"]) == 2, log  # a pre whose output needs no gradient: no backward through it
     assert sorted(said["clipnorm"]) == ["0 ok", "1 ok"], log  # torch's norms (1, 2, inf) over both stages
     assert sorted(said["summed"]) == ["0 ok", "1 ok"], log  # scale_grads=False: the micro-batches' sum
+    # under torch.profiler: each action a PP:<stage><kind><m> range, each compiled call one inside it
+    assert sorted(m.split(":")[0] for m in said["profiled"]) == ["0 ok", "1 ok"], log
     assert len(said["evalscalar"]) == 2 and all(
         "no layer of the pipeline has a scalar 'pdropp' (their scalars: pdrop, scale, seed)" in m
         for m in said["evalscalar"]), log

@@ -115,7 +115,11 @@ def test_one_rank_gradients_match_autograd(built):
     a = {k: v.clone().requires_grad_(True) for k, v in t.items()}
     b = {k: v.clone().requires_grad_(True) for k, v in t.items()}
     dy = torch.randn(2, 3, 4, generator=gen)
-    ct.function(TP_MLP, "tp_mlp")(**a).backward(dy)
+    # under torch.profiler: the compiled forward and backward each a `coconet <program>[<schedule>]` range
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ct.function(TP_MLP, "tp_mlp")(**a).backward(dy)
+    assert sorted(e.name for e in prof.events() if e.name.startswith("coconet ")) == [
+        "coconet tp_mlp_bwd[default]", "coconet tp_mlp_fwd[default]"]
     (torch.nn.functional.gelu(b["x"] @ b["w1"] + b["b1"]) @ b["w2"] + b["b2"]).backward(dy)
     for k in t:
         torch.testing.assert_close(a[k].grad, b[k].grad, rtol=1e-5, atol=1e-5)

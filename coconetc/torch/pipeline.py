@@ -50,6 +50,7 @@ import torch
 from coconetc.launch.mpiexec import oversubscribed
 from coconetc.pipeline import orders as _orders
 from coconetc.plan.label import parse
+from coconetc.torch.ops import profiled
 from coconetc.torch.params import load
 
 F, B, W = "F", "B", "W"
@@ -152,7 +153,8 @@ class Block:
             label = self._sched(fn, schedule)
             self._results[fn.name] = (label, [pub for pub, _ in fn.program_of(parse(label)).outputs])
         label, names = self._results[fn.name]
-        out = fn(schedule=label, comm=self.call_comm, **kw)
+        with profiled(fn, label):
+            out = fn(schedule=label, comm=self.call_comm, **kw)
         return dict(zip(names, out if isinstance(out, tuple) else (out,)))
 
     def parts(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -674,13 +676,24 @@ class Pipeline:
         for act in acts:
             start = time.perf_counter() - t0
             self._waited = 0.0
-            do(act)
+            if torch.autograd.profiler._is_profiler_enabled:
+                with torch.profiler.record_function(self._profiler_name(act)):
+                    do(act)
+            else:
+                do(act)
             end = time.perf_counter() - t0
             self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
             self._progress()
         self._wait(self._pending)
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
+
+    def _profiler_name(self, act: _orders.Action) -> str:
+        """The action's range in torch.profiler's trace, named as torch's pipelining schedules
+        name theirs: `PP:<stage><kind><micro-batch>`, kind F (forward), B (the whole backward),
+        I (the input gradient where the backward is split) or W (the weights' gradients)."""
+        kind = "I" if act.kind == B and self.order.split_backward else act.kind
+        return f"PP:{self.order.stage(self.rank, act.chunk)}{kind}{act.microbatch}"
 
     def _act(self, act: _orders.Action) -> None:
         """One action of a step: a forward, a backward, or the layers' weight gradients."""
