@@ -30,13 +30,39 @@ GPT_BLOCK = Path(__file__).resolve().parents[1] / "examples" / "gpt_block.ccn"
 B, S, H, NH, F = 8, 4, 8, 2, 16
 
 
-def layer(block: Block, seed: int):
+SHAPES = {"ln1_w": [H], "ln1_b": [H], "wq": [H, NH, H // NH], "bq": [NH, H // NH], "wk": [H, NH, H // NH],
+          "wv": [H, NH, H // NH], "bv": [NH, H // NH], "wo": [NH, H // NH, H], "bo": [H], "ln2_w": [H],
+          "ln2_b": [H], "w_fc": [H, F], "b_fc": [F], "w_proj": [F, H], "b_proj": [H]}
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"ln1_w": [H], "ln1_b": [H], "wq": [H, NH, H // NH], "bq": [NH, H // NH], "wk": [H, NH, H // NH],
-              "wv": [H, NH, H // NH], "bv": [NH, H // NH], "wo": [NH, H // NH, H], "bo": [H], "ln2_w": [H],
-              "ln2_b": [H], "w_fc": [H, F], "b_fc": [F], "w_proj": [F, H], "b_proj": [H]}
-    ws = {n: (torch.randn(*s, generator=g) * 0.1).requires_grad_(True) for n, s in shapes.items()}
-    return block.layer(ws, scale=1 / math.sqrt(H // NH), pdrop=0.0, seed=seed)
+    return {n: (torch.randn(*s, generator=g) * 0.1).requires_grad_(True) for n, s in SHAPES.items()}
+
+
+def layer(block: Block, seed: int):
+    return block.layer(weights(seed), scale=1 / math.sqrt(H // NH), pdrop=0.0, seed=seed)
+
+
+def wholes(comm, rank: int) -> None:
+    """Block.whole, parts' inverse, on a block whose tensor-parallel group is both ranks: every
+    weight of a layer split into this rank's parts and gathered back equals the layer's whole
+    weight bit for bit (the sliced ones are halves here); a name the block lacks refused on
+    every rank."""
+    tp = Block(GPT_BLOCK, "gpt_block", comm=comm)
+    ws = weights(7)
+    parts = tp.parts(ws)
+    back = tp.whole(parts)
+    halves = sum(parts[n].shape != ws[n].shape for n in ws)
+    same = sorted(back) == sorted(ws) and all(torch.equal(back[n], ws[n].detach()) and not back[n].requires_grad
+                                              for n in ws)
+    print(f"whole {rank} {'ok' if same and halves == 9 else 'WRONG'}: {halves} sliced", flush=True)
+    try:
+        tp.whole({"w_qkv": parts["wq"]} if rank == 1 else {"wq": parts["wq"]})
+    except TypeError as err:
+        print(f"wholename ok: {err}", flush=True)
+    else:
+        print("wholename NOT REFUSED", flush=True)
 
 
 def mse(y, t):
@@ -226,6 +252,7 @@ def main() -> None:
     four = all(torch.equal(w.grad, g * 4) for w, g in zip(chunk.layers[0].params.values(), runs[0][2]))
     print(f"summed {rank} {'ok' if four and again == runs[0][1] else 'WRONG'}", flush=True)
     profiled(pipe, x, t, rank)
+    wholes(comm, rank)
     clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,

@@ -177,6 +177,39 @@ class Block:
             out[n] = w.detach()[local_index(q, list(w.shape), size, rank)].clone().requires_grad_(True)
         return out
 
+    def whole(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One layer's whole weights, as on one process, from this rank's PARTS (name -> its part,
+        as `parts` made it, or the part's `.grad`): `parts`' inverse, to save a checkpoint or
+        compare with one process. A weight sliced across the block's tensor-parallel group
+        `comm` is gathered from every rank's part along its sliced dim; a replicated one is its
+        part (a copy); new tensors that require no grad. Collective over `comm`: each rank of it
+        passes the same names; a name the block lacks, or names that differ across the ranks, a
+        TypeError on every rank before any part is sent."""
+        size, rank = self.comm.Get_size(), self.comm.Get_rank()
+        mine = sorted(parts)
+        lacks = next((n for n in mine if n not in self.weights), None)
+        told = self.comm.allgather((mine, lacks)) if size > 1 else [(mine, lacks)]
+        bad = next(((r, n) for r, (_, n) in enumerate(told) if n is not None), None)
+        if bad is not None:
+            whose = "" if bad[0] == rank else f" (rank {bad[0]} of comm passed it)"
+            raise TypeError(f"Block.whole: {self.program} has no weight {bad[1]!r}{whose} (its weights: "
+                            f"{', '.join(self.weights)})")
+        if any(names != mine for names, _ in told):
+            raise TypeError("Block.whole: the ranks of comm pass different weights (" +
+                            "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, (names, _) in enumerate(told)) +
+                            "); each passes the same names")
+        sliced = [n for n in mine if self._decl[n].type.layout.sliced] if size > 1 else []
+        every = self.comm.allgather([parts[n].detach().cpu() for n in sliced]) if sliced else []
+        out = {}
+        for n in mine:
+            t = parts[n].detach()
+            if n in sliced:
+                i = sliced.index(n)
+                out[n] = torch.cat([got[i] for got in every], dim=self._decl[n].type.layout.dim).to(t.device)
+            else:
+                out[n] = t.clone()
+        return out
+
     def layer(self, params: dict[str, torch.Tensor], **scalars: Any) -> Layer:
         """One layer of this block: its weights (this rank's parts, leaf tensors whose `.grad`
         the pipeline fills) and scalars."""
