@@ -130,6 +130,35 @@ def profiled(pipe: Pipeline, x, t, rank: int) -> None:
     print(f"profiled {rank} {'ok' if ok else 'WRONG'}: {names} {calls} {inside}", flush=True)
 
 
+def bf16_boundary(comm, rank: int) -> None:
+    """Two stages of torch parts alone whose boundary is bfloat16 (the activation, and its
+    gradient back): each stage's weight's gradient and each micro-batch's loss those of one
+    process computing every micro-batch alike (its loss / 4), bit for bit."""
+    g = torch.Generator().manual_seed(5)  # (the same batch and weights on both ranks)
+    x, t, w0, w1 = (torch.randn(*s, generator=g) for s in ((B, S, H), (B, S, H), (H, H), (H, H)))
+
+    def f0(v, w):
+        return torch.tanh(v @ w).to(torch.bfloat16)
+
+    def f1(h, w):
+        return h.float() @ w
+    mine = (w0 if rank == 0 else w1).clone().requires_grad_(True)
+    chunk = Chunk([], pre=(lambda v: f0(v, mine)) if rank == 0 else None,
+                  post=(lambda h: f1(h, mine)) if rank == 1 else None)
+    losses: list = []
+    Pipeline([chunk], "1f1b", microbatches=4, comm=comm, loss_fn=mse).step(x, t, losses=losses)
+    a, b = w0.clone().requires_grad_(True), w1.clone().requires_grad_(True)
+    want = []
+    for m in range(4):
+        rows = slice(m * 2, m * 2 + 2)
+        loss = mse(f1(f0(x[rows], a), b), t[rows])
+        (loss / 4).backward()
+        want.append(loss.detach())
+    ok = torch.equal(mine.grad, a.grad if rank == 0 else b.grad) and (
+        losses == [] if rank == 0 else all(torch.equal(u, v) for u, v in zip(losses, want, strict=True)))
+    print(f"bf16 {rank} {'ok' if ok else 'WRONG'}", flush=True)
+
+
 def clipped(pipe: Pipeline, chunk: Chunk, rank: int) -> None:
     """clip_grad_norm_ against torch's norm of norms over both stages' weights (gathered), norm
     types 1, 2 and inf, the weights passed as params too (each counted once): the norm, and each
@@ -253,6 +282,7 @@ def main() -> None:
     print(f"summed {rank} {'ok' if four and again == runs[0][1] else 'WRONG'}", flush=True)
     profiled(pipe, x, t, rank)
     wholes(comm, rank)
+    bf16_boundary(comm, rank)
     clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,

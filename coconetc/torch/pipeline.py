@@ -55,7 +55,10 @@ from coconetc.torch.params import load
 
 F, B, W = "F", "B", "W"
 _HEADER = 10  # int64s: the dtype's index in _DTYPES, ndim, then up to 8 dims
-_DTYPES = (np.float32, np.float64, np.float16)
+# what a message between stages is sent as, by the tensor's dtype (_TORCH): bfloat16, which NumPy
+# lacks, as its bits (int16, which no message is otherwise)
+_DTYPES = (np.float32, np.float64, np.float16, np.int16)
+_TORCH = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _KINDS = {F: 0, B: 1}
 _NAP = 5e-5  # s between a waiting rank's polls where ranks outnumber cores (Pipeline._wait)
 _AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the one waited for
@@ -465,10 +468,11 @@ class Pipeline:
         if sliced:  # this rank's rows of the sequence (dim 1): the receiving group gathers them
             r, n = self.tp_comm.Get_rank(), self.tp_comm.Get_size()
             t = torch.tensor_split(t, n, dim=1)[r]
-        a = np.ascontiguousarray(t.detach().cpu().numpy())
-        if a.dtype.type not in _DTYPES or a.ndim > _HEADER - 2:
-            raise TypeError(f"Pipeline: a stage sends a {a.ndim}-d {t.dtype} tensor; between stages go float32, "
-                            "float64 or float16 tensors of at most 8 dims")
+        t = t.detach().cpu()
+        if t.dtype not in _TORCH or t.dim() > _HEADER - 2:
+            raise TypeError(f"Pipeline: a stage sends a {t.dim()}-d {t.dtype} tensor; between stages go float32, "
+                            "float64, float16 or bfloat16 tensors of at most 8 dims")
+        a = np.ascontiguousarray((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
         tag, was = self._tag(kind, m, stage), self._known.get((kind, stage))
         if was is None:
             head = np.zeros(_HEADER, np.int64)
@@ -479,8 +483,9 @@ class Pipeline:
             self._seen[(kind, stage)] = (a.dtype.type, a.shape)
         elif was != (a.dtype.type, a.shape):
             raise ValueError(f"Pipeline: virtual stage {stage}'s {'activation' if kind == F else 'gradient'} of "
-                             f"micro-batch {m} is a {a.dtype} tensor of shape {list(a.shape)}; an earlier step "
-                             f"with a batch of this shape sent {np.dtype(was[0])} of shape {list(was[1])} (the "
+                             f"micro-batch {m} is a {t.dtype} tensor of shape {list(a.shape)}; an earlier step "
+                             f"with a batch of this shape sent {_TORCH[_DTYPES.index(was[0])]} of shape "
+                             f"{list(was[1])} (the "
                              "messages between stages must follow from the batch's shape)")
         self._pending.append(self.comm.Isend(a, dest=to, tag=tag + 1))
         self._keep.append(a)
@@ -532,7 +537,8 @@ class Pipeline:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
         self._waited += time.perf_counter() - t0
-        return torch.from_numpy(a).to(self._device)
+        got = torch.from_numpy(a)
+        return (got.view(torch.bfloat16) if a.dtype == np.int16 else got).to(self._device)
 
     def _wait(self, reqs: list[Any]) -> None:
         """Until REQS are done: MPI's wait, or, on a machine with more ranks than cores, polls
