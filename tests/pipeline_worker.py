@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from coconetc.torch.pipeline import Block, Chunk, Pipeline
+from coconetc.torch.pipeline import Block, Chunk, Pipeline, microbatch_seed
 
 GPT_BLOCK = Path(__file__).resolve().parents[1] / "examples" / "gpt_block.ccn"
 B, S, H, NH, F = 8, 4, 8, 2, 16
@@ -159,6 +159,32 @@ def bf16_boundary(comm, rank: int) -> None:
     print(f"bf16 {rank} {'ok' if ok else 'WRONG'}", flush=True)
 
 
+def dropout_masks(block: Block, comm, rank: int) -> None:
+    """With dropout, each micro-batch draws masks of its own: four micro-batches of the same rows
+    give four losses, micro-batch m's that of a one-micro-batch step on its rows whose layers'
+    seeds are microbatch_seed(seed, m), and the step's gradients those steps' mean (the backward
+    redrew each micro-batch's masks)."""
+    g = torch.Generator().manual_seed(9)  # (the same batch on both ranks)
+    x0, t0 = torch.randn(2, S, H, generator=g), torch.randn(2, S, H, generator=g)
+    x, t = x0.repeat(4, 1, 1), t0.repeat(4, 1, 1)
+    ws = weights(3 + rank)
+
+    def step(M: int, seed: int, rows: torch.Tensor, tgt: torch.Tensor) -> tuple[list, list]:
+        mine = {n: w.detach().clone().requires_grad_(True) for n, w in ws.items()}
+        ly = block.layer(mine, scale=1 / math.sqrt(H // NH), pdrop=0.3, seed=seed)
+        losses: list = []
+        Pipeline([Chunk([ly])], "1f1b", microbatches=M, comm=comm, loss_fn=mse).step(rows, tgt, losses=losses)
+        return losses, [w.grad for w in mine.values()]
+    losses, grads = step(4, 11 + rank, x, t)
+    each = [step(1, microbatch_seed(11 + rank, m), x0, t0) for m in range(4)]
+    mean = [sum(e[1][i] for e in each) / 4 for i in range(len(grads))]
+    ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, mean))
+    if rank == 1:
+        vals = [float(v) for v in losses]
+        ok = ok and len(set(vals)) == 4 and vals == [float(e[0][0]) for e in each]
+    print(f"masks {rank} {'ok' if ok else 'WRONG'}", flush=True)
+
+
 def clipped(pipe: Pipeline, chunk: Chunk, rank: int) -> None:
     """clip_grad_norm_ against torch's norm of norms over both stages' weights (gathered), norm
     types 1, 2 and inf, the weights passed as params too (each counted once): the norm, and each
@@ -283,6 +309,7 @@ def main() -> None:
     profiled(pipe, x, t, rank)
     wholes(comm, rank)
     bf16_boundary(comm, rank)
+    dropout_masks(block, comm, rank)
     clipped(pipe, chunk, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,

@@ -68,6 +68,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
                                                 for m in said["wholename"]), log
     assert sum("(rank 1 of comm passed it)" in m for m in said["wholename"]) == 1, log
     assert sorted(said["bf16"]) == ["0 ok", "1 ok"], log  # a bfloat16 boundary: one process's gradients
+    assert sorted(said["masks"]) == ["0 ok", "1 ok"], log  # dropout: each micro-batch its own masks
     assert len(said["evalscalar"]) == 2 and all(
         "no layer of the pipeline has a scalar 'pdropp' (their scalars: pdrop, scale, seed)" in m
         for m in said["evalscalar"]), log

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coconetc.ir.expr import Op, refs, walk
 from coconetc.launch.mpiexec import oversubscribed
 from coconetc.pipeline import orders as _orders
 from coconetc.plan.label import parse
@@ -116,6 +117,10 @@ class Block:
         self.replicated = q.type.layout.kind == "replicated"
         self.scalars = [q.name for q in p.params if q.scalar]
         self.weights = [n for n in self.params if n != input and n not in self.scalars]
+        # the scalars the block's dropouts draw their masks from: each micro-batch's its own
+        # (microbatch_seed)
+        self.seeds = sorted({n for st in p.stages for e in walk(st.expr) if isinstance(e, Op) and e.op == "dropout"
+                             for n in refs(e.args[2]) if n in self.scalars})
         # by accumulating backward, the weights whose gradients it adds into: weight -> its
         # accumulator parameter (the weight's .grad is passed there)
         self.accumulated = {}
@@ -236,29 +241,35 @@ class Layer:
     saved: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> saved values
     kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> B's kept values
 
-    def _args(self) -> dict[str, Any]:
+    def _args(self, m: int, scalars: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The arguments of micro-batch M's calls: the weights, and the scalars (SCALARS in place
+        of the layer's own), each dropout seed micro-batch M's (microbatch_seed)."""
         # the leaves themselves: a module function reads their memory and is no autograd
         # function (a new detached tensor a call costs time and defeats the call's fast path)
-        return {**self.params, **self.scalars}
+        vals = {**self.scalars, **(scalars or {})}
+        for s in self.block.seeds if m else ():
+            vals[s] = microbatch_seed(vals[s], m)
+        return {**self.params, **vals}
 
     def forward(self, m: int, x: torch.Tensor) -> torch.Tensor:
         b = self.block
-        out = b.call(b.fwd, b.schedule, **self._args(), **{b.input: x})
+        out = b.call(b.fwd, b.schedule, **self._args(m), **{b.input: x})
         self.saved[m] = {k[len("saved_"):]: v for k, v in out.items() if k.startswith("saved_")}
         self.saved[m][b.input] = x
         return out[b.output]
 
-    def infer(self, x: torch.Tensor, scalars: dict[str, Any]) -> torch.Tensor:
-        """The layer's output for X, keeping nothing for a backward (Pipeline.eval): the block's
-        program itself, with SCALARS (those of its own among them) in place of the layer's."""
+    def infer(self, m: int, x: torch.Tensor, scalars: dict[str, Any]) -> torch.Tensor:
+        """The layer's output for X, micro-batch M's, keeping nothing for a backward
+        (Pipeline.eval): the block's program itself, with SCALARS (those of its own among them)
+        in place of the layer's."""
         b = self.block
         fn = b.plain if b.plain is not None else b.fwd
-        kw = {**self._args(), **{k: v for k, v in scalars.items() if k in b.scalars}}
+        kw = self._args(m, {k: v for k, v in scalars.items() if k in b.scalars})
         return b.call(fn, b.schedule, **kw, **{b.input: x})[b.output]
 
     def _bwd_args(self, m: int, dy: torch.Tensor) -> dict[str, Any]:
         b = self.block
-        return {**self._args(), **self.saved[m], f"d_{b.output}": dy.contiguous()}
+        return {**self._args(m), **self.saved[m], f"d_{b.output}": dy.contiguous()}
 
     def _into(self, fn: Any) -> dict[str, torch.Tensor] | None:
         """The accumulators of FN (an accumulating backward): each weight's .grad, where every
@@ -690,7 +701,7 @@ class Pipeline:
         else:
             h = self._recv(F, m, stage, order.place(stage - 1)[0], self._sliced(chunk.layers))
         for layer in chunk.layers:
-            h = layer.infer(h, scalars)
+            h = layer.infer(m, h, scalars)
             self._progress()
         if stage < order.stages - 1:
             self._send(h, order.place(stage + 1)[0], F, m, stage + 1, self._sliced(self._boundary_layers()))
@@ -837,6 +848,19 @@ class Pipeline:
             raise ValueError(f"Pipeline.{fn}: {what}'s batch of {n} rows does not divide into "
                              f"microbatches={M} equal micro-batches (use a batch that is a multiple of {M})")
         return list(torch.split(v, n // M)) if isinstance(v, torch.Tensor) else np.split(v, M)
+
+
+SEED_STEP = 0x9E3779B97F4A7C15  # microbatch_seed's stride (2**64 over the golden ratio, odd)
+
+
+def microbatch_seed(seed: int, m: int) -> int:
+    """The dropout seed micro-batch M of a step (or of Pipeline.eval) runs a layer with, from the
+    layer's SEED: seed + m * SEED_STEP modulo 2**64, as a signed 64-bit integer; micro-batch 0
+    runs with SEED itself. So every micro-batch draws masks of its own (one seed for all would
+    drop the same elements of each), and two layers whose seeds are close (seed=i a layer) do
+    not draw each other's."""
+    v = (int(seed) + m * SEED_STEP) % (1 << 64)
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _check_losses(what: str, losses: Any) -> None:
