@@ -185,6 +185,43 @@ def dropout_masks(block: Block, comm, rank: int) -> None:
     print(f"masks {rank} {'ok' if ok else 'WRONG'}", flush=True)
 
 
+def traced(pipe: Pipeline, x, t, comm, rank: int) -> None:
+    """A step under coconetc.trace: each action a range (PP:<stage><kind><m>, its work that of
+    Pipeline.events) holding its layers' compiled calls, each receive a wait; merged, the
+    ranks' files give the step's bubble (coconetc trace-merge prints it)."""
+    import json
+    import shutil
+    import tempfile
+
+    from click.testing import CliRunner
+
+    import coconetc
+    from coconetc.cli.trace import trace_merge
+    from coconetc.runtime.trace import pipeline_bubbles
+    folder = comm.bcast(tempfile.mkdtemp(prefix="ccn_pipe_trace") if rank == 0 else None)
+    with coconetc.trace(folder) as tr:
+        pipe.step(x, t)
+    acts = [e for e in tr.events if e["cat"] == "action"]
+    calls = [e for e in tr.events if e["cat"] == "call"]
+    waits = [e for e in tr.events if e["cat"] == "wait" and e["name"].startswith("wait: receive")]
+    names = sorted(e["name"] for e in acts)
+    inside = all(any(a["ts"] <= c["ts"] and c["ts"] + c["dur"] <= a["ts"] + a["dur"] for a in acts) for c in calls)
+    works = sorted(e["args"]["work_us"] for e in acts) == sorted(ev.work * 1e6 for ev in pipe.events)
+    ok = names == sorted(f"PP:{rank}{k}{m}" for k in "FIW" for m in range(4)) and len(calls) == 12 and inside \
+        and works and len(waits) == 4 and len({e["args"]["step"] for e in acts}) == 1
+    print(f"traced {rank} {'ok' if ok else 'WRONG'}: {len(acts)} actions, {len(calls)} calls, {len(waits)} waits",
+          flush=True)
+    comm.Barrier()  # (both ranks' files written)
+    if rank == 0:
+        got = CliRunner().invoke(trace_merge, [folder])
+        bubbles = pipeline_bubbles(json.loads((Path(folder) / "trace.json").read_text())["traceEvents"])
+        said = got.output.strip().splitlines()[-1]
+        print(f"merged {'ok' if got.exit_code == 0 and len(bubbles) == 1 and 0 < list(bubbles.values())[0] < 1 and said.startswith('pipeline: 1 steps') else 'WRONG'}: {said}",
+              flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    comm.Barrier()
+
+
 def clipped(pipe: Pipeline, chunk: Chunk, rank: int) -> None:
     """clip_grad_norm_ against torch's norm of norms over both stages' weights (gathered), norm
     types 1, 2 and inf, the weights passed as params too (each counted once): the norm, and each
@@ -307,6 +344,7 @@ def main() -> None:
     four = all(torch.equal(w.grad, g * 4) for w, g in zip(chunk.layers[0].params.values(), runs[0][2]))
     print(f"summed {rank} {'ok' if four and again == runs[0][1] else 'WRONG'}", flush=True)
     profiled(pipe, x, t, rank)
+    traced(pipe, x, t, comm, rank)
     wholes(comm, rank)
     bf16_boundary(comm, rank)
     dropout_masks(block, comm, rank)

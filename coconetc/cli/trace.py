@@ -1,13 +1,16 @@
 """`coconetc trace-merge FOLDER`: the ranks' trace files (coconetc.trace, COCONET_TRACE) joined
-into one Chrome-trace/Perfetto file, every rank a process of its own."""
+into one Chrome-trace/Perfetto file, every rank a process of its own; where they hold a
+pipeline's actions, each step's bubble."""
 
 from __future__ import annotations
 
+import json
+import statistics
 from pathlib import Path
 
 import click
 
-from coconetc.runtime.trace import FILE, merge
+from coconetc.runtime.trace import FILE, merge, pipeline_bubbles
 
 
 @click.command("trace-merge")
@@ -22,3 +25,9 @@ def trace_merge(folder: str, output: str | None) -> None:
                                    f"or COCONET_TRACE={folder} first")
     out = merge(files, output or Path(folder) / "trace.json")
     click.echo(f"{out}: {len(files)} ranks")
+    bubbles = pipeline_bubbles(json.loads(out.read_text())["traceEvents"])
+    if bubbles:  # a pipeline's steps: each one's idle fraction of its ranks
+        shown = list(bubbles.items())
+        click.echo(f"pipeline: {len(shown)} steps, bubble (the ranks' idle fraction of each step) "
+                   + ", ".join(f"step {k} {b:.3f}" for k, b in shown[:10]) + (", ..." if len(shown) > 10 else "")
+                   + f"; median {statistics.median(bubbles.values()):.3f}")

@@ -15,6 +15,13 @@ exits). Each call of a compiled module then records, on this rank's timeline (pi
     communication, its consumer, each wait for a chunk's communication) and of a fused
     collective (its computation), and each wait for communication.
 
+A pipeline (coconetc.torch.pipeline) adds its own ranges (mark): each action of a step
+(category "action", named as torch.profiler's ranges are, `PP:<stage><kind><micro-batch>`;
+args: its step, stage, micro-batch, kind and work, its time less its receives' waits) with the
+calls of its layers inside, and each wait for a message (category "wait"). The gaps between a
+rank's actions and its waits are its idle time: `pipeline_bubbles` reads a step's bubble from
+the merged files (`coconetc trace-merge` prints it).
+
 The runtime marks the units in the generated code and the pieces in its headers (coconet/trace.h);
 while tracing is off a mark costs one relaxed atomic load (bench/call_overhead.py measures it).
 A CUDA module (also under the host emulation) records the same units, timed by CUDA events on
@@ -240,6 +247,35 @@ def _add(s: Session, fn: Any, call: Any, rank: int, t0: int, t1: int, events: li
             args = {"unit_index": unit, **(costs[unit] if unit < len(costs) else {})}
         s.add({"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": thread, "ts": a / 1e3, "dur": (b - a) / 1e3,
                "args": args})
+
+
+def mark(name: str, cat: str, t0: int, t1: int, args: dict[str, Any]) -> None:
+    """A range of this rank's timeline from T0 to T1 (time.monotonic_ns(), as the calls'),
+    recorded while a trace is on, on the calls' track (a pipeline's action, a wait for a
+    message); nothing while tracing is off."""
+    s = _session
+    if s is not None and s.ok:
+        s.add({"name": name, "cat": cat, "ph": "X", "pid": _rank(), "tid": 0, "ts": t0 / 1e3, "dur": (t1 - t0) / 1e3,
+               "args": args})
+
+
+def pipeline_bubbles(events: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Each pipeline step's bubble in EVENTS (the merged ranks' events): the idle fraction of
+    its ranks, 1 - work / (ranks x makespan), work the actions' (category "action": their time
+    less their receives' waits), the makespan from the step's first action's start to its last
+    one's end over the ranks (their CLOCK_MONOTONIC: the ranks of one machine), as
+    bench/pipeline.py measures it from Pipeline.events; by step (the pipeline's own count)."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") == "action":
+            steps.setdefault(int(e["args"]["step"]), []).append(e)
+    out = {}
+    for k, evs in sorted(steps.items()):
+        span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)
+        work = sum(e["args"]["work_us"] for e in evs)
+        ranks = len({e["pid"] for e in evs})
+        out[k] = 1 - work / (ranks * span) if span > 0 else 0.0
+    return out
 
 
 def merge(files: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:

@@ -50,6 +50,7 @@ import torch
 from coconetc.ir.expr import Op, refs, walk
 from coconetc.launch.mpiexec import oversubscribed
 from coconetc.pipeline import orders as _orders
+from coconetc.runtime import trace as _trace
 from coconetc.plan.label import parse
 from coconetc.torch.ops import profiled
 from coconetc.torch.params import load
@@ -375,6 +376,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.events: list[Event] = []
+        self._runs = 0  # steps and evals run so far (a trace's actions name theirs)
         # where received activations go: the device of the layers' weights
         self._device = next((t.device for c in self.chunks for ly in c.layers for t in ly.params.values()),
                             torch.device("cpu"))
@@ -529,7 +531,7 @@ class Pipeline:
     def _recv(self, kind: str, m: int, stage: int, frm: int, sliced: bool) -> torch.Tensor:
         """The (KIND, M)'s message for virtual stage STAGE from rank FRM, waited for here (the
         next receive of its kind posted first); its time is the action's _waited."""
-        t0 = time.perf_counter()
+        t0, n0 = time.perf_counter(), time.monotonic_ns()
         posted = self._posted.pop((kind, m, stage), None)
         if posted is None:  # not posted (its shape not known yet): the first not posted
             self._todo[kind].pop(0)
@@ -548,6 +550,8 @@ class Pipeline:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
         self._waited += time.perf_counter() - t0
+        _trace.mark(f"wait: receive {'activation' if kind == F else 'gradient'} {m} from rank {frm}", "wait", n0,
+                    time.monotonic_ns(), {"kind": kind, "microbatch": m, "from_rank": frm})
         got = torch.from_numpy(a)
         return (got.view(torch.bfloat16) if a.dtype == np.int16 else got).to(self._device)
 
@@ -722,9 +726,12 @@ class Pipeline:
         self._post(F)
         self._post(B)
         self.events = []
+        run, self._runs = self._runs, self._runs + 1
+        tracing = _trace.active() is not None
         t0 = time.perf_counter()
         for act in acts:
             start = time.perf_counter() - t0
+            n0 = time.monotonic_ns() if tracing else 0
             self._waited = 0.0
             if torch.autograd.profiler._is_profiler_enabled:
                 with torch.profiler.record_function(self._profiler_name(act)):
@@ -732,9 +739,17 @@ class Pipeline:
             else:
                 do(act)
             end = time.perf_counter() - t0
-            self.events.append(Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited))
+            ev = Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited)
+            self.events.append(ev)
+            if tracing:  # (coconetc.trace: the action's range, its layers' calls inside)
+                _trace.mark(self._profiler_name(act), "action", n0, time.monotonic_ns(),
+                            {"step": run, "stage": self.order.stage(self.rank, act.chunk), "microbatch": act.microbatch,
+                             "kind": act.kind, "work_us": ev.work * 1e6})
             self._progress()
+        n0 = time.monotonic_ns() if tracing else 0
         self._wait(self._pending)
+        if tracing:
+            _trace.mark("wait: the sends in flight", "wait", n0, time.monotonic_ns(), {"step": run})
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
 
