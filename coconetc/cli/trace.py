@@ -25,9 +25,10 @@ def trace_merge(folder: str, output: str | None) -> None:
                                    f"or COCONET_TRACE={folder} first")
     out = merge(files, output or Path(folder) / "trace.json")
     click.echo(f"{out}: {len(files)} ranks")
-    bubbles = pipeline_bubbles(json.loads(out.read_text())["traceEvents"])
-    if bubbles:  # a pipeline's steps: each one's idle fraction of its ranks
-        shown = list(bubbles.items())
-        click.echo(f"pipeline: {len(shown)} steps, bubble (the ranks' idle fraction of each step) "
-                   + ", ".join(f"step {k} {b:.3f}" for k, b in shown[:10]) + (", ..." if len(shown) > 10 else "")
-                   + f"; median {statistics.median(bubbles.values()):.3f}")
+    by_pipeline: dict[int, list[tuple[int, float]]] = {}
+    for (p, k), b in pipeline_bubbles(json.loads(out.read_text())["traceEvents"]).items():
+        by_pipeline.setdefault(p, []).append((k, b))
+    for p, steps in by_pipeline.items():  # a pipeline's steps: each one's idle fraction of its ranks
+        click.echo(f"pipeline {p}: {len(steps)} steps, bubble (the ranks' idle fraction of each step) "
+                   + ", ".join(f"step {k} {b:.3f}" for k, b in steps[:10]) + (", ..." if len(steps) > 10 else "")
+                   + f"; median {statistics.median(b for _, b in steps):.3f}")

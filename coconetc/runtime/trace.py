@@ -259,16 +259,17 @@ def mark(name: str, cat: str, t0: int, t1: int, args: dict[str, Any]) -> None:
                "args": args})
 
 
-def pipeline_bubbles(events: Sequence[dict[str, Any]]) -> dict[int, float]:
+def pipeline_bubbles(events: Sequence[dict[str, Any]]) -> dict[tuple[int, int], float]:
     """Each pipeline step's bubble in EVENTS (the merged ranks' events): the idle fraction of
     its ranks, 1 - work / (ranks x makespan), work the actions' (category "action": their time
     less their receives' waits), the makespan from the step's first action's start to its last
     one's end over the ranks (their CLOCK_MONOTONIC: the ranks of one machine), as
-    bench/pipeline.py measures it from Pipeline.events; by step (the pipeline's own count)."""
-    steps: dict[int, list[dict[str, Any]]] = {}
+    bench/pipeline.py measures it from Pipeline.events; by (pipeline, step): the process's count
+    of its pipelines (made in the same order on every rank) and the pipeline's of its steps."""
+    steps: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         if e.get("cat") == "action":
-            steps.setdefault(int(e["args"]["step"]), []).append(e)
+            steps.setdefault((int(e["args"]["pipeline"]), int(e["args"]["step"])), []).append(e)
     out = {}
     for k, evs in sorted(steps.items()):
         span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)

@@ -37,6 +37,7 @@ those of the batch's mean loss, as one process computes them (scale_grads=False:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -64,6 +65,7 @@ _TORCH = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _KINDS = {F: 0, B: 1}
 _NAP = 5e-5  # s between a waiting rank's polls where ranks outnumber cores (Pipeline._wait)
 _AHEAD = 2  # receives of each kind (activations, gradients) posted ahead of the one waited for
+_MADE = itertools.count()  # the pipelines this process made, in order (every rank makes them together)
 RETIMED = 3  # steps after each of which a list-scheduled order is scheduled again (Pipeline retime=)
 
 
@@ -377,6 +379,7 @@ class Pipeline:
         self.scale_grads = scale_grads
         self.events: list[Event] = []
         self._runs = 0  # steps and evals run so far (a trace's actions name theirs)
+        self._id = next(_MADE)  # this process's count of its pipelines (a trace's actions name it)
         # where received activations go: the device of the layers' weights
         self._device = next((t.device for c in self.chunks for ly in c.layers for t in ly.params.values()),
                             torch.device("cpu"))
@@ -743,13 +746,13 @@ class Pipeline:
             self.events.append(ev)
             if tracing:  # (coconetc.trace: the action's range, its layers' calls inside)
                 _trace.mark(self._profiler_name(act), "action", n0, time.monotonic_ns(),
-                            {"step": run, "stage": self.order.stage(self.rank, act.chunk), "microbatch": act.microbatch,
-                             "kind": act.kind, "work_us": ev.work * 1e6})
+                            {"pipeline": self._id, "step": run, "stage": self.order.stage(self.rank, act.chunk),
+                             "microbatch": act.microbatch, "kind": act.kind, "work_us": ev.work * 1e6})
             self._progress()
         n0 = time.monotonic_ns() if tracing else 0
         self._wait(self._pending)
         if tracing:
-            _trace.mark("wait: the sends in flight", "wait", n0, time.monotonic_ns(), {"step": run})
+            _trace.mark("wait: the sends in flight", "wait", n0, time.monotonic_ns(), {"pipeline": self._id, "step": run})
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
 
