@@ -369,6 +369,46 @@ class Worker:
         self.check(f"units:R{self.R}:named", lambda: self._units(dict(units=NAMED_UNITS, prefetch=1), tied=True))
         self.check(f"units:R{self.R}:two_forwards", self._two_forwards)
         self.check(f"units:R{self.R}:not_reaching", self._not_reaching)
+        self.check(f"units:R{self.R}:traced", self._traced)
+
+    def _traced(self) -> str | None:
+        """A forward and backward under torch.profiler and coconetc.trace at once: each unit's
+        all-gather (its start, the wait for it, the copy out of its whole tensors) and each
+        non-root unit's gradients' reduce-scatter (its start, the wait) a range of both traces."""
+        import shutil
+        import tempfile
+
+        import coconetc
+        m = Stack(0)
+        ct.shard(m, reduce="sum", prefetch=1, **STACK_SHARDING)  # type: ignore[arg-type]
+        x, y, lo, hi = self._batch(0)
+        folder = tempfile.mkdtemp(prefix="ccn_shard_trace")
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+                    coconetc.trace(folder) as tr:
+                (((m(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B).backward()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        want = set()
+        for u in ("the root unit", *(f"unit 'blocks.{i}'" for i in range(3))):
+            want |= {f"coconet shard: start the all-gather of {u}", f"coconet shard: wait for the all-gather of {u}",
+                     f"coconet shard: copy out the all-gather of {u}"}
+        for u in (f"unit 'blocks.{i}'" for i in range(3)):
+            want |= {f"coconet shard: start the gradients' reduce-scatter of {u}",
+                     f"coconet shard: wait for the reduce-scatter of the gradients of {u}"}
+        profiled = {e.name for e in prof.events() if e.name.startswith("coconet shard:")}
+        traced = {e["name"] for e in tr.events if e["cat"] in ("shard", "wait")}
+        missing = sorted((want - profiled) | (want - traced))
+        # AdamW inside the backward: each unit's update a compiled call's range
+        m2 = Stack(0)
+        sh2 = ct.shard(m2, reduce="sum", **STACK_SHARDING)  # type: ignore[arg-type]
+        sh2.adamw_in_backward(two_groups(m2), lr=1e-2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof2:
+            (((m2(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B).backward()
+        updates = sum(e.name.startswith("coconet adamw_shard[") for e in prof2.events())
+        if updates < 3:
+            missing.append(f"{updates} coconet adamw_shard ranges (a unit's each)")
+        return f"not in the traces: {missing}" if missing else None
 
     def _not_reaching(self) -> str | None:
         """A branch of two units whose output reaches the loss on rank 0 only (gathered again in

@@ -52,7 +52,7 @@ CHECKS = {
     "train": ["sum", "avg"],
     "program": ["tp_mlp"],
     "units": [f"reshard={r}:prefetch={p}" for r in (True, False) for p in (0, 1, 2)] + ["named", "two_forwards",
-                                                                                        "not_reaching"],
+                                                                                        "not_reaching", "traced"],
     "unit_memory": [f"prefetch={p}" for p in (0, 1, 2)] + ["kept"],
     "in_backward": ["default", "named_tied", "two_forwards", "not_reaching", "checkpoint"],
 }

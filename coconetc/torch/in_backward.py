@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coconetc.torch.ops import profiled
 from coconetc.torch.parts import part_index
 
 if TYPE_CHECKING:
@@ -177,7 +178,8 @@ class AdamWInBackward(torch.optim.Optimizer):
         """PROGRAM on U's communicator with gradient G and this rank's SPECS' parameters, m and v
         laid end to end in vectors of SIZE elements, updated in place (_flat)."""
         w, m, v = self._flat([s.name for s in specs], size)
-        program(comm=u.comm, g=g, w=w, m=m, v=v, **args)
+        with profiled(program, args.get("schedule") or "default"):
+            program(comm=u.comm, g=g, w=w, m=m, v=v, **args)
 
     def _tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self._units.parts._params[name]

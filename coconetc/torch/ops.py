@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from coconetc.ir.nodes import Program
 from coconetc.ir.slices import slice_range
 from coconetc.ir.types import dim_symbols, eval_dim
 from coconetc.plan.label import parse
+from coconetc.runtime import trace as _trace
 
 NAMESPACE = "coconet"
 TORCH_DTYPES = {n: getattr(torch, d.torch) for n, d in TABLE.items()}
@@ -107,6 +110,26 @@ def schema(f: Any) -> tuple[str, str]:
     """The (forward, backward) operator schemas of Differentiable F (no module is built)."""
     return (_schema(f.program, len(f.outputs) + len(f.saved)),
             _schema(f.back, len(f.back.outputs)))
+
+
+@contextlib.contextmanager
+def ranged(name: str, cat: str, args: dict[str, Any] | None = None) -> Iterator[None]:
+    """NAME as a range of torch.profiler's trace while a profiler records, and of coconet's own
+    (category CAT, with ARGS: coconetc.runtime.trace.mark) while coconetc.trace records; nothing
+    otherwise (the work coconetc.torch does outside compiled calls: a sharded model's
+    collectives, their waits)."""
+    profiling = torch.autograd.profiler._is_profiler_enabled
+    tracing = _trace.active() is not None
+    if not profiling and not tracing:
+        yield
+        return
+    t0 = time.monotonic_ns()
+    try:
+        with torch.profiler.record_function(name) if profiling else contextlib.nullcontext():
+            yield
+    finally:
+        if tracing:
+            _trace.mark(name, cat, t0, time.monotonic_ns(), args or {})
 
 
 def profiled(fn: Any, schedule: str) -> Any:

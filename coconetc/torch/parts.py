@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from coconetc.ir.slices import slice_range
+from coconetc.torch.ops import ranged
 
 T = TypeVar("T")
 _ALIGN = 16  # bytes: every tensor's place in an exchanged buffer, so that views of it are aligned
@@ -177,8 +178,9 @@ class Parts:
         calls = agree.channel(comm) if self.ranks > 1 else None
         if calls is not None:
             calls.n += 1
-        Watchdog(comm, f"coconetc.torch.Sharded.{what}", agree.timeout_s(), None,
-                 calls.n if calls else 0).wait(req)
+        with ranged(f"coconet shard: wait for the {what}", "wait"):
+            Watchdog(comm, f"coconetc.torch.Sharded.{what}", agree.timeout_s(), None,
+                     calls.n if calls else 0).wait(req)
 
     # --- the collectives -----------------------------------------------------------------------
     def _whole(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:

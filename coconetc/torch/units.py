@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from coconetc.torch.ops import ranged
 from coconetc.torch.parts import _REDUCE_DTYPES, Parts, Spec, _padded, part_index
 
 
@@ -136,9 +137,13 @@ class Units:
     # --- gathers -------------------------------------------------------------------------------
     def start_gather(self, u: Unit) -> None:
         """Starts U's all-gather (in place in one byte buffer), unless one is under way."""
-        from mpi4py import MPI
         if u.gather is not None:
             return
+        with ranged(f"coconet shard: start the all-gather of {u.label()}", "shard"):
+            self._start_gather(u)
+
+    def _start_gather(self, u: Unit) -> None:
+        from mpi4py import MPI
         p = self.parts
         cut = self._cut(u)
         counts = [sum(_padded(s.nbytes(p.ranks, r)) for s in cut) for r in range(p.ranks)]
@@ -163,6 +168,12 @@ class Units:
         if req is not None:
             self.parts._wait(req, f"all-gather of {u.label()}", u.comm)
         u.gather = None
+        with ranged(f"coconet shard: copy out the all-gather of {u.label()}", "shard"):
+            return self._copy_out(u, buf, parts, into)
+
+    def _copy_out(self, u: Unit, buf: torch.Tensor, parts: list[torch.Tensor] | None,
+                  into: Run | None) -> list[torch.Tensor]:
+        """finish_gather's whole tensors from U's gathered BUF."""
         p = self.parts
         out: list[torch.Tensor] = []
         displs = [sum(sum(_padded(s.nbytes(p.ranks, q)) for s in self._cut(u)) for q in range(r))
@@ -300,14 +311,20 @@ class Units:
         all-reduce of flags), the sharded ones reduce-scattered to the parts, the whole ones
         all-reduced; in float32 (float64 for float64 parameters), one collective of each kind
         per such dtype. A gradient missing here counts as zeros."""
-        from mpi4py import MPI
         if self.in_backward is not None:
             self.in_backward.gradients(run, grads)  # (the gradients go into the update, not to .grad)
             return
+        if not any(run.wanted):
+            return
+        with ranged(f"coconet shard: start the gradients' reduce-scatter of {run.unit.label()}", "shard"):
+            self._start_reduce(run, grads)
+        if wait:
+            self.flush(leave=1)  # (the earlier ones had a unit's backward to progress: their buffers go)
+
+    def _start_reduce(self, run: Run, grads: list[torch.Tensor | None]) -> None:
+        from mpi4py import MPI
         p, u = self.parts, run.unit
         wanted = [i for i, w in enumerate(run.wanted) if w]
-        if not wanted:
-            return
         specs = self.specs(u)
         flags = np.array([grads[i] is not None for i in wanted], dtype=np.uint8)
         reqs: list[tuple[Any, str]] = [(u.comm.Iallreduce(MPI.IN_PLACE, flags, MPI.MAX),
@@ -348,8 +365,6 @@ class Units:
                     where[i] = flat[at:at + int(np.prod(specs[i].shape))].view(specs[i].shape)
                     at += where[i].numel()
         self.pending.append(_Reduction(u, reqs, flags, wanted, where, keep))
-        if wait:
-            self.flush(leave=1)  # (the earlier ones had a unit's backward to progress: their buffers go)
 
     def flush(self, leave: int = 0) -> None:
         """Every reduction under way but the last LEAVE waited for, in the order started, and its
