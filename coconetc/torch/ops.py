@@ -115,9 +115,10 @@ def schema(f: Any) -> tuple[str, str]:
 @contextlib.contextmanager
 def ranged(name: str, cat: str, args: dict[str, Any] | None = None) -> Iterator[None]:
     """NAME as a range of torch.profiler's trace while a profiler records, and of coconet's own
-    (category CAT, with ARGS: coconetc.runtime.trace.mark) while coconetc.trace records; nothing
-    otherwise (the work coconetc.torch does outside compiled calls: a sharded model's
-    collectives, their waits)."""
+    (category CAT, with ARGS as they are when the block ends, so the block may add to them:
+    coconetc.runtime.trace.mark) while coconetc.trace records; nothing otherwise. The work
+    coconetc.torch does outside compiled calls: a pipeline's actions and waits, a sharded
+    model's collectives and theirs."""
     profiling = torch.autograd.profiler._is_profiler_enabled
     tracing = _trace.active() is not None
     if not profiling and not tracing:

@@ -51,9 +51,8 @@ import torch
 from coconetc.ir.expr import Op, refs, walk
 from coconetc.launch.mpiexec import oversubscribed
 from coconetc.pipeline import orders as _orders
-from coconetc.runtime import trace as _trace
 from coconetc.plan.label import parse
-from coconetc.torch.ops import profiled
+from coconetc.torch.ops import profiled, ranged
 from coconetc.torch.params import load
 
 F, B, W = "F", "B", "W"
@@ -534,7 +533,16 @@ class Pipeline:
     def _recv(self, kind: str, m: int, stage: int, frm: int, sliced: bool) -> torch.Tensor:
         """The (KIND, M)'s message for virtual stage STAGE from rank FRM, waited for here (the
         next receive of its kind posted first); its time is the action's _waited."""
-        t0, n0 = time.perf_counter(), time.monotonic_ns()
+        t0 = time.perf_counter()
+        with ranged(f"wait: receive {'activation' if kind == F else 'gradient'} {m} from rank {frm}", "wait",
+                    {"kind": kind, "microbatch": m, "from_rank": frm}):
+            a = self._received(kind, m, stage, frm, sliced)
+        self._waited += time.perf_counter() - t0
+        got = torch.from_numpy(a)
+        return (got.view(torch.bfloat16) if a.dtype == np.int16 else got).to(self._device)
+
+    def _received(self, kind: str, m: int, stage: int, frm: int, sliced: bool) -> np.ndarray:
+        """_recv's message as it arrived (a sliced one gathered across the stage's group)."""
         posted = self._posted.pop((kind, m, stage), None)
         if posted is None:  # not posted (its shape not known yet): the first not posted
             self._todo[kind].pop(0)
@@ -552,11 +560,7 @@ class Pipeline:
         if sliced:
             parts = self.tp_comm.allgather(a)
             a = np.concatenate(parts, axis=1)
-        self._waited += time.perf_counter() - t0
-        _trace.mark(f"wait: receive {'activation' if kind == F else 'gradient'} {m} from rank {frm}", "wait", n0,
-                    time.monotonic_ns(), {"kind": kind, "microbatch": m, "from_rank": frm})
-        got = torch.from_numpy(a)
-        return (got.view(torch.bfloat16) if a.dtype == np.int16 else got).to(self._device)
+        return a
 
     def _wait(self, reqs: list[Any]) -> None:
         """Until REQS are done: MPI's wait, or, on a machine with more ranks than cores, polls
@@ -730,29 +734,22 @@ class Pipeline:
         self._post(B)
         self.events = []
         run, self._runs = self._runs, self._runs + 1
-        tracing = _trace.active() is not None
         t0 = time.perf_counter()
         for act in acts:
             start = time.perf_counter() - t0
-            n0 = time.monotonic_ns() if tracing else 0
             self._waited = 0.0
-            if torch.autograd.profiler._is_profiler_enabled:
-                with torch.profiler.record_function(self._profiler_name(act)):
-                    do(act)
-            else:
+            # (the action's range in torch.profiler's trace and coconet's, its layers' calls inside)
+            info = {"pipeline": self._id, "step": run, "stage": self.order.stage(self.rank, act.chunk),
+                    "microbatch": act.microbatch, "kind": act.kind}
+            with ranged(self._profiler_name(act), "action", info):
                 do(act)
-            end = time.perf_counter() - t0
-            ev = Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited)
+                end = time.perf_counter() - t0
+                ev = Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited)
+                info["work_us"] = ev.work * 1e6
             self.events.append(ev)
-            if tracing:  # (coconetc.trace: the action's range, its layers' calls inside)
-                _trace.mark(self._profiler_name(act), "action", n0, time.monotonic_ns(),
-                            {"pipeline": self._id, "step": run, "stage": self.order.stage(self.rank, act.chunk),
-                             "microbatch": act.microbatch, "kind": act.kind, "work_us": ev.work * 1e6})
             self._progress()
-        n0 = time.monotonic_ns() if tracing else 0
-        self._wait(self._pending)
-        if tracing:
-            _trace.mark("wait: the sends in flight", "wait", n0, time.monotonic_ns(), {"pipeline": self._id, "step": run})
+        with ranged("wait: the sends in flight", "wait", {"pipeline": self._id, "step": run}):
+            self._wait(self._pending)
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
 
