@@ -208,7 +208,7 @@ def traced(pipe: Pipeline, x, t, comm, rank: int) -> None:
     inside = all(any(a["ts"] <= c["ts"] and c["ts"] + c["dur"] <= a["ts"] + a["dur"] for a in acts) for c in calls)
     works = sorted(e["args"]["work_us"] for e in acts) == sorted(ev.work * 1e6 for ev in pipe.events)
     ok = names == sorted(f"PP:{rank}{k}{m}" for k in "FIW" for m in range(4)) and len(calls) == 12 and inside \
-        and works and len(waits) == 4 and len({(e["args"]["pipeline"], e["args"]["step"]) for e in acts}) == 1
+        and works and len(waits) == 4 and len({(e["args"]["pipeline"], e["args"]["run"]) for e in acts}) == 1
     print(f"traced {rank} {'ok' if ok else 'WRONG'}: {len(acts)} actions, {len(calls)} calls, {len(waits)} waits",
           flush=True)
     comm.Barrier()  # (both ranks' files written)
@@ -216,7 +216,7 @@ def traced(pipe: Pipeline, x, t, comm, rank: int) -> None:
         got = CliRunner().invoke(trace_merge, [folder])
         bubbles = pipeline_bubbles(json.loads((Path(folder) / "trace.json").read_text())["traceEvents"])
         said = got.output.strip().splitlines()[-1]
-        print(f"merged {'ok' if got.exit_code == 0 and len(bubbles) == 1 and 0 < list(bubbles.values())[0] < 1 and said.startswith(f'pipeline {pipe._id}: 1 steps') else 'WRONG'}: {said}",
+        print(f"merged {'ok' if got.exit_code == 0 and len(bubbles) == 1 and 0 < list(bubbles.values())[0] < 1 and said.startswith(f'pipeline {pipe._id}: 1 runs') else 'WRONG'}: {said}",
               flush=True)
         shutil.rmtree(folder, ignore_errors=True)
     comm.Barrier()

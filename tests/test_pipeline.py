@@ -65,7 +65,7 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     # under coconetc.trace: each action a range holding its layers' calls, each receive a wait; the
     # merged files' bubble, as coconetc trace-merge prints it
     assert sorted(m.split(":")[0] for m in said["traced"]) == ["0 ok", "1 ok"], log
-    assert len(said["merged"]) == 1 and re.match(r"ok: pipeline \d+: 1 steps, bubble", said["merged"][0]), log
+    assert len(said["merged"]) == 1 and re.match(r"ok: pipeline \d+: 1 runs \(its steps and evaluations\), bubble", said["merged"][0]), log
     # Block.whole(Block.parts(w)) == w on a stage of 2 tensor-parallel ranks; a name it lacks refused on both
     assert sorted(said["whole"]) == ["0 ok: 9 sliced", "1 ok: 9 sliced"], log
     assert len(said["wholename"]) == 2 and all(m.startswith("ok: Block.whole: gpt_block has no weight 'w_qkv'")

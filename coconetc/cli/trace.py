@@ -29,6 +29,7 @@ def trace_merge(folder: str, output: str | None) -> None:
     for (p, k), b in pipeline_bubbles(json.loads(out.read_text())["traceEvents"]).items():
         by_pipeline.setdefault(p, []).append((k, b))
     for p, steps in by_pipeline.items():  # a pipeline's steps: each one's idle fraction of its ranks
-        click.echo(f"pipeline {p}: {len(steps)} steps, bubble (the ranks' idle fraction of each step) "
-                   + ", ".join(f"step {k} {b:.3f}" for k, b in steps[:10]) + (", ..." if len(steps) > 10 else "")
+        click.echo(f"pipeline {p}: {len(steps)} runs (its steps and evaluations), bubble (the ranks' idle fraction "
+                   "of each run) " + ", ".join(f"run {k} {b:.3f}" for k, b in steps[:10])
+                   + (", ..." if len(steps) > 10 else "")
                    + f"; median {statistics.median(b for _, b in steps):.3f}")

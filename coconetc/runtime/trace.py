@@ -17,7 +17,7 @@ exits). Each call of a compiled module then records, on this rank's timeline (pi
 
 A pipeline (coconetc.torch.pipeline) adds its own ranges (mark): each action of a step
 (category "action", named as torch.profiler's ranges are, `PP:<stage><kind><micro-batch>`;
-args: its step, stage, micro-batch, kind and work, its time less its receives' waits) with the
+args: its pipeline, run (step or evaluation), stage, micro-batch, kind and work, its time less its receives' waits) with the
 calls of its layers inside, and each wait for a message (category "wait"). The gaps between a
 rank's actions and its waits are its idle time: `pipeline_bubbles` reads a step's bubble from
 the merged files (`coconetc trace-merge` prints it).
@@ -264,12 +264,13 @@ def pipeline_bubbles(events: Sequence[dict[str, Any]]) -> dict[tuple[int, int], 
     its ranks, 1 - work / (ranks x makespan), work the actions' (category "action": their time
     less their receives' waits), the makespan from the step's first action's start to its last
     one's end over the ranks (their CLOCK_MONOTONIC: the ranks of one machine), as
-    bench/pipeline.py measures it from Pipeline.events; by (pipeline, step): the process's count
-    of its pipelines (made in the same order on every rank) and the pipeline's of its steps."""
+    bench/pipeline.py measures it from Pipeline.events; by (pipeline, run): the process's count
+    of its pipelines (made in the same order on every rank) and the pipeline's of its steps and
+    evaluations."""
     steps: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         if e.get("cat") == "action":
-            steps.setdefault((int(e["args"]["pipeline"]), int(e["args"]["step"])), []).append(e)
+            steps.setdefault((int(e["args"]["pipeline"]), int(e["args"]["run"])), []).append(e)
     out = {}
     for k, evs in sorted(steps.items()):
         span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)

@@ -739,7 +739,7 @@ class Pipeline:
             start = time.perf_counter() - t0
             self._waited = 0.0
             # (the action's range in torch.profiler's trace and coconet's, its layers' calls inside)
-            info = {"pipeline": self._id, "step": run, "stage": self.order.stage(self.rank, act.chunk),
+            info = {"pipeline": self._id, "run": run, "stage": self.order.stage(self.rank, act.chunk),
                     "microbatch": act.microbatch, "kind": act.kind}
             with ranged(self._profiler_name(act), "action", info):
                 do(act)
@@ -748,7 +748,7 @@ class Pipeline:
                 info["work_us"] = ev.work * 1e6
             self.events.append(ev)
             self._progress()
-        with ranged("wait: the sends in flight", "wait", {"pipeline": self._id, "step": run}):
+        with ranged("wait: the sends in flight", "wait", {"pipeline": self._id, "run": run}):
             self._wait(self._pending)
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
