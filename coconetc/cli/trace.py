@@ -1,6 +1,6 @@
 """`coconetc trace-merge FOLDER`: the ranks' trace files (coconetc.trace, COCONET_TRACE) joined
 into one Chrome-trace/Perfetto file, every rank a process of its own; where they hold a
-pipeline's actions, each step's bubble."""
+pipeline's actions, each run's bubble."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def trace_merge(folder: str, output: str | None) -> None:
     by_pipeline: dict[int, list[tuple[int, float]]] = {}
     for (p, k), b in pipeline_bubbles(json.loads(out.read_text())["traceEvents"]).items():
         by_pipeline.setdefault(p, []).append((k, b))
-    for p, steps in by_pipeline.items():  # a pipeline's steps: each one's idle fraction of its ranks
+    for p, steps in by_pipeline.items():  # a pipeline's runs: each one's idle fraction of its ranks
         click.echo(f"pipeline {p}: {len(steps)} runs (its steps and evaluations), bubble (the ranks' idle fraction "
                    "of each run) " + ", ".join(f"run {k} {b:.3f}" for k, b in steps[:10])
                    + (", ..." if len(steps) > 10 else "")

@@ -17,10 +17,12 @@ exits). Each call of a compiled module then records, on this rank's timeline (pi
 
 A pipeline (coconetc.torch.pipeline) adds its own ranges (mark): each action of a step
 (category "action", named as torch.profiler's ranges are, `PP:<stage><kind><micro-batch>`;
-args: its pipeline, run (step or evaluation), stage, micro-batch, kind and work, its time less its receives' waits) with the
-calls of its layers inside, and each wait for a message (category "wait"). The gaps between a
-rank's actions and its waits are its idle time: `pipeline_bubbles` reads a step's bubble from
-the merged files (`coconetc trace-merge` prints it).
+args: its pipeline, run (a step or an evaluation), stage, micro-batch, kind and work, its time
+less its receives' waits) with the calls of its layers inside, and each wait for a message
+(category "wait"); a sharded model (coconetc.torch.shard) its collectives' starts and copies
+(category "shard") and their waits. The gaps between a rank's actions and its waits are its
+idle time: `pipeline_bubbles` reads each run's bubble from the merged files (`coconetc
+trace-merge` prints it).
 
 The runtime marks the units in the generated code and the pieces in its headers (coconet/trace.h);
 while tracing is off a mark costs one relaxed atomic load (bench/call_overhead.py measures it).
