@@ -4,7 +4,6 @@ pipeline's actions, each run's bubble."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -23,10 +22,11 @@ def trace_merge(folder: str, output: str | None) -> None:
     if not files:
         raise click.ClickException(f"no {FILE.format(rank='<r>')} in {folder}: run with coconetc.trace({folder!r}) "
                                    f"or COCONET_TRACE={folder} first")
-    out = merge(files, output or Path(folder) / "trace.json")
+    out = Path(output or Path(folder) / "trace.json")
+    doc = merge(files, out)
     click.echo(f"{out}: {len(files)} ranks")
     by_pipeline: dict[int, list[tuple[int, float]]] = {}
-    for (p, k), b in pipeline_bubbles(json.loads(out.read_text())["traceEvents"]).items():
+    for (p, k), b in pipeline_bubbles(doc["traceEvents"]).items():
         by_pipeline.setdefault(p, []).append((k, b))
     for p, steps in by_pipeline.items():  # a pipeline's runs: each one's idle fraction of its ranks
         click.echo(f"pipeline {p}: {len(steps)} runs (its steps and evaluations), bubble (the ranks' idle fraction "

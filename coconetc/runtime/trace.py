@@ -282,8 +282,9 @@ def pipeline_bubbles(events: Sequence[dict[str, Any]]) -> dict[tuple[int, int], 
     return out
 
 
-def merge(files: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
-    """The ranks' trace files joined into one (each rank a process of its own, as written)."""
+def merge(files: Sequence[str | os.PathLike], out: str | os.PathLike) -> dict[str, Any]:
+    """The ranks' trace files joined into one, OUT (each rank a process of its own, as written);
+    returns what it wrote (the Chrome-trace document)."""
     events: list[dict[str, Any]] = []
     other: dict[str, Any] = {"ranks": [], "dropped_events": 0}
     for f in sorted(map(Path, files)):
@@ -292,6 +293,6 @@ def merge(files: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
         data = doc.get("otherData", {})
         other["ranks"].append(data.get("rank"))
         other["dropped_events"] += int(data.get("dropped_events", 0))
-    path = Path(out)
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}))
-    return path
+    doc = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+    Path(out).write_text(json.dumps(doc))
+    return doc

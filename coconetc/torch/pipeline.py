@@ -739,9 +739,9 @@ class Pipeline:
             start = time.perf_counter() - t0
             self._waited = 0.0
             # (the action's range in torch.profiler's trace and coconet's, its layers' calls inside)
-            info = {"pipeline": self._id, "run": run, "stage": self.order.stage(self.rank, act.chunk),
-                    "microbatch": act.microbatch, "kind": act.kind}
-            with ranged(self._profiler_name(act), "action", info):
+            stage = self.order.stage(self.rank, act.chunk)
+            info = {"pipeline": self._id, "run": run, "stage": stage, "microbatch": act.microbatch, "kind": act.kind}
+            with ranged(self._profiler_name(act, stage), "action", info):
                 do(act)
                 end = time.perf_counter() - t0
                 ev = Event(act.kind, act.microbatch, act.chunk, start, end, end - start - self._waited)
@@ -753,12 +753,13 @@ class Pipeline:
         self._pending, self._keep = [], []
         self._shapes[batch] = {**self._known, **self._seen}
 
-    def _profiler_name(self, act: _orders.Action) -> str:
-        """The action's range in torch.profiler's trace, named as torch's pipelining schedules
-        name theirs: `PP:<stage><kind><micro-batch>`, kind F (forward), B (the whole backward),
-        I (the input gradient where the backward is split) or W (the weights' gradients)."""
+    def _profiler_name(self, act: _orders.Action, stage: int) -> str:
+        """The range of ACT, this rank's action of virtual stage STAGE, in torch.profiler's trace,
+        named as torch's pipelining schedules name theirs: `PP:<stage><kind><micro-batch>`, kind F
+        (forward), B (the whole backward), I (the input gradient where the backward is split) or
+        W (the weights' gradients)."""
         kind = "I" if act.kind == B and self.order.split_backward else act.kind
-        return f"PP:{self.order.stage(self.rank, act.chunk)}{kind}{act.microbatch}"
+        return f"PP:{stage}{kind}{act.microbatch}"
 
     def _act(self, act: _orders.Action) -> None:
         """One action of a step: a forward, a backward, or the layers' weight gradients."""
