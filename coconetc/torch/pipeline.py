@@ -600,7 +600,9 @@ class Pipeline:
         (self._xs, self._ts), told = self._agree(
             cut, lambda v: (tuple(v[0][0].shape), str(v[0][0].dtype)) if v[0] else None)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the leaf a torch part starts from
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> what its backward starts from
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, m) -> the loss its backward starts from
+        # (chunk, m) -> the first stage's pre's output (its backward's start; a stage both first and last has both)
+        self._pre_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss (the last stage's)
         self._run(order.actions[self.rank], told[first], self._act)
         if self._retimes:
@@ -802,7 +804,7 @@ class Pipeline:
             if chunk.pre is not None:
                 h = chunk.pre(h)
                 if h.requires_grad:  # (a pre with no parameters, on a batch that needs none: no backward)
-                    self._outputs[key] = h
+                    self._pre_outputs[key] = h
                 h = h.detach()
         else:
             prev = order.place(stage - 1)[0]
@@ -840,8 +842,8 @@ class Pipeline:
         if stage > 0:
             prev = order.place(stage - 1)[0]
             self._send(g, prev, B, act.microbatch, stage - 1, self._sliced(chunk.layers))
-        elif key in self._outputs:  # the torch part before the first layer
-            self._outputs.pop(key).backward(g)
+        elif key in self._pre_outputs:  # the torch part before the first layer
+            self._pre_outputs.pop(key).backward(g)
 
     def _boundary_layers(self) -> Sequence[Layer]:
         """Layers whose input stands for the next stage's (a block's output is its input's
