@@ -65,6 +65,60 @@ def wholes(comm, rank: int) -> None:
         print("wholename NOT REFUSED", flush=True)
 
 
+def gpt_pipelined(comm, rank: int) -> None:
+    """coconetc.torch.gpt.GPTPipeline: nanoGPT's GPT (bench/nanogpt.py, model.py's shape) of 4
+    blocks cut into 2 stages, each order below trained 2 SGD steps beside the same model in one
+    process: every step's loss, then (update_model) every parameter of the model, then eval's
+    loss, against the one process's (1f1b with biases and the head tied across the ranks;
+    zero_bubble_v without biases, both ends on rank 0; gpipe on each rank alone, one stage holding the
+    embeddings, every block and the head). A model of 1 block for 2 stages, and a
+    model without nanoGPT's parts, refused on every rank."""
+    import copy
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import nanogpt
+
+    from coconetc.torch.gpt import GPTPipeline
+    for order, bias, pp in (("1f1b", True, comm), ("zero_bubble_v", False, comm), ("gpipe", True, MPI.COMM_SELF)):
+        torch.manual_seed(0)
+        model = nanogpt.GPT(nanogpt.GPTConfig(block_size=8, vocab_size=16, n_layer=4, n_head=2, n_embd=8, bias=bias))
+        ref = copy.deepcopy(model)
+        pipe = GPTPipeline(model, order, microbatches=4, comm=pp)
+        opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+        g = torch.Generator().manual_seed(1)
+        worst = 0.0
+        for _ in range(2):
+            idx, tgt = torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g)
+            loss = pipe.step(idx, tgt)
+            ref_loss = ref(idx, tgt)[1]
+            ref_loss.backward()
+            if loss is not None:
+                worst = max(worst, abs(loss - ref_loss.item()) / ref_loss.item())
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        pipe.update_model()
+        moved = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+        val = pipe.eval(idx, tgt)
+        with torch.no_grad():
+            ref_val = ref(idx, tgt)[1].item()
+        if val is not None:
+            worst = max(worst, abs(val - ref_val) / ref_val)
+        decayed = len(pipe.param_groups(0.1)[0]["params"])
+        ok = worst < 1e-6 and moved < 1e-6
+        print(f"gptpipe {rank} {order}{'' if pp is comm else '@1'} {'ok' if ok else 'WRONG'}: loss {worst:.1e}, weights {moved:.1e}, "
+              f"{decayed} decayed", flush=True)
+    for name, case in (("gptstages", lambda: GPTPipeline(nanogpt.GPT(nanogpt.GPTConfig(
+                            block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)), microbatches=4, comm=comm)),
+                       ("gptmodel", lambda: GPTPipeline(torch.nn.Linear(2, 2), microbatches=4, comm=comm))):
+        try:
+            case()
+        except (ValueError, TypeError) as err:
+            print(f"{name} ok: {err}", flush=True)
+        else:
+            print(f"{name} NOT REFUSED", flush=True)
+
+
 def mse(y, t):
     return ((y - t) ** 2).mean()
 
@@ -349,6 +403,7 @@ def main() -> None:
     bf16_boundary(comm, rank)
     dropout_masks(block, comm, rank)
     clipped(pipe, chunk, rank)
+    gpt_pipelined(comm, rank)
     # a pre with no parameters on a batch that needs no gradient: the step runs (no backward through it)
     plain = Pipeline([Chunk(chunk.layers, pre=(lambda v: v * 2) if rank == 0 else None)], "1f1b", microbatches=4,
                      comm=comm, loss_fn=mse)

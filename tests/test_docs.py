@@ -375,9 +375,11 @@ def _run_pages(pages: list[Path], cwd: Path, env: dict[str, str], part: tuple[in
             _run_in_one_process(page, pending, cwd, env)
 
 
-# What a page reads that an earlier page wrote (the rest of each page is its own): page 4 runs
+# What a page reads that an earlier page wrote, or that its reader brings (the rest of each page is its own): page 4 runs
 # page 1's adam.ccn, which is examples/adam.ccn byte for byte (the page's test checks).
-EARLIER = {"tutorial/04_gpus_and_clusters.md": {"adam.ccn": REPO / "examples" / "adam.ccn"}}
+EARLIER = {"tutorial/04_gpus_and_clusters.md": {"adam.ccn": REPO / "examples" / "adam.ccn"},
+           # nanoGPT's model.py, which the page's reader has: the benchmarks' copy in its shape
+           "pipeline.md": {"model.py": REPO / "bench" / "nanogpt.py"}}
 
 
 def _check_tracing(cwd: Path) -> None:

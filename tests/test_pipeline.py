@@ -73,6 +73,17 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert sum("(rank 1 of comm passed it)" in m for m in said["wholename"]) == 1, log
     assert sorted(said["bf16"]) == ["0 ok", "1 ok"], log  # a bfloat16 boundary: one process's gradients
     assert sorted(said["masks"]) == ["0 ok", "1 ok"], log  # dropout: each micro-batch its own masks
+    # coconetc.torch.gpt.GPTPipeline: nanoGPT's GPT in 2 stages against one process, then refused inputs
+    assert sorted(m.split(":")[0] for m in said["gptpipe"]) == [
+        "0 1f1b ok", "0 gpipe@1 ok", "0 zero_bubble_v ok", "1 1f1b ok", "1 gpipe@1 ok", "1 zero_bubble_v ok"], log
+    # (the weight matrices and embeddings decayed: 2 blocks' 6 a rank, wte and wpe on rank 0, the tied head on 1;
+    # one stage: 4 blocks' and both embeddings)
+    assert sorted(m.split(", ")[-1] for m in said["gptpipe"]) == ["12 decayed", "13 decayed", "14 decayed",
+                                                                  "14 decayed", "26 decayed", "26 decayed"], log
+    assert all("GPTPipeline: 2 stages for the model's 1 blocks; each stage needs at least one (at most 1 ranks in comm)"
+               in m for m in said["gptstages"]) and len(said["gptstages"]) == 2, log
+    assert all("model must be nanoGPT's GPT" in m and "Linear lacks transformer.wte" in m
+               for m in said["gptmodel"]) and len(said["gptmodel"]) == 2, log
     assert len(said["evalscalar"]) == 2 and all(
         "no layer of the pipeline has a scalar 'pdropp' (their scalars: pdrop, scale, seed)" in m
         for m in said["evalscalar"]), log

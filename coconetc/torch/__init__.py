@@ -43,7 +43,7 @@ The package, a file per story:
   module.py          Module: such a function with its parameters
   ops.py             the torch.library custom operators of function / Module calls
   gpt.py             a nanoGPT block's weights in gpt_block.ccn's layouts, the sequence-parallel
-                     region's edges
+                     region's edges, GPTPipeline: nanoGPT's GPT in pipeline stages
   sharded.py         shard / Sharded: a model's parameters kept sharded between steps (each
                      rank its slice_range of a dim), gathered for the forward, gradients
                      reduce-scattered, whole-tensor checkpoints on any rank count

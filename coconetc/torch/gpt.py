@@ -1,5 +1,6 @@
 """A nanoGPT block as coconet's GPT block (examples/gpt_block.ccn): its weights in the program's
-layouts, and the edges of the sequence-parallel region.
+layouts and back, the edges of the sequence-parallel region, and nanoGPT's whole GPT cut into
+pipeline stages of such blocks (GPTPipeline).
 
     params = coconetc.torch.gpt.block_parameters(block, n_head)   # nn.Linear's [out, in] -> [in, out], heads cut
     layer = coconetc.torch.Module("gpt_block.ccn", "gpt_block", parameters=params, comm=comm)
@@ -137,3 +138,252 @@ def gather_sequence(x: torch.Tensor, seq_len: int, *, comm: Any = None, process_
     sequence-parallel region (every rank gets the whole); its backward keeps this rank's slice
     of the gradient (every rank computes the same loss from the joined tensor)."""
     return _Gather.apply(x, _Group(comm, process_group), seq_len)
+
+
+# nanoGPT's Linear or LayerNorm that holds each of the block's parameters, and which of its
+# tensors: (module path, attribute); a parameter whose tensor nanoGPT lacks (bias=False) is
+# zero in the block and stays zero (GPTPipeline leaves it out of what the optimizer steps)
+_HOLDERS = {"ln1_w": ("ln_1", "weight"), "ln1_b": ("ln_1", "bias"), "bq": ("attn.c_attn", "bias"),
+            "bv": ("attn.c_attn", "bias"), "bo": ("attn.c_proj", "bias"), "ln2_w": ("ln_2", "weight"),
+            "ln2_b": ("ln_2", "bias"), "b_fc": ("mlp.c_fc", "bias"), "b_proj": ("mlp.c_proj", "bias")}
+# the block's weight matrices: decayed by nanoGPT's configure_optimizers (its 2-D parameters)
+DECAYED = ("wq", "wk", "wv", "wo", "w_fc", "w_proj")
+
+
+def _holder(block: Any, path: str) -> Any:
+    for part in path.split("."):
+        block = getattr(block, part)
+    return block
+
+
+def absent_parameters(block: Any) -> set[str]:
+    """The names of block_parameters(BLOCK) that nanoGPT's BLOCK does not have (its biases and
+    layernorm biases under bias=False): zeros there."""
+    return {n for n, (path, attr) in _HOLDERS.items() if getattr(_holder(block, path), attr, None) is None}
+
+
+def load_block_parameters(block: Any, params: dict[str, torch.Tensor]) -> None:
+    """block_parameters' inverse: PARAMS (the whole parameters of gpt_block.ccn's programs, as
+    block_parameters names them) written into nanoGPT's BLOCK in place, in its layouts ([in,
+    out] transposed back to nn.Linear's [out, in], q, k and v joined into c_attn). The key's bias,
+    which the program leaves out, is left as it is; a parameter the block lacks (bias=False) is
+    not written. A name block_parameters does not make, or one missing, a KeyError."""
+    missing = [n for n in NAMES if n not in params]
+    extra = sorted(set(params) - set(NAMES))
+    if missing or extra:
+        raise KeyError(f"load_block_parameters: {'missing ' + repr(missing[0]) if missing else 'no parameter ' + repr(extra[0])}"
+                       f" (gpt_block.ccn's are {', '.join(NAMES)})")
+    attn, mlp = block.attn, block.mlp
+    H = attn.c_attn.weight.shape[1]
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().reshape(*t.shape[:-2], H)
+
+    with torch.no_grad():
+        w = attn.c_attn.weight
+        w[:H].copy_(flat(params["wq"]).T)
+        w[H:2 * H].copy_(flat(params["wk"]).T)
+        w[2 * H:].copy_(flat(params["wv"]).T)
+        attn.c_proj.weight.copy_(params["wo"].detach().reshape(H, H).T)
+        mlp.c_fc.weight.copy_(params["w_fc"].detach().T)
+        mlp.c_proj.weight.copy_(params["w_proj"].detach().T)
+        if attn.c_attn.bias is not None:
+            attn.c_attn.bias[:H].copy_(params["bq"].detach().reshape(H))
+            attn.c_attn.bias[2 * H:].copy_(params["bv"].detach().reshape(H))
+        absent = absent_parameters(block)
+        for n in ("ln1_w", "ln1_b", "bo", "ln2_w", "ln2_b", "b_fc", "b_proj"):
+            if n not in absent:
+                path, attr = _HOLDERS[n]
+                getattr(_holder(block, path), attr).copy_(params[n].detach())
+
+
+class GPTPipeline:
+    """nanoGPT's `GPT` (its model.py as it is) cut into pipeline stages whose blocks are
+    coconet's: the ranks of COMM (mpi4py) are the stages, in rank order, running ORDER (a name
+    of coconetc.pipeline.ORDERS) over MICROBATCHES micro-batches; CHUNKS: the model chunks a
+    rank holds (the order's own where None: 2 for interleaved and zero_bubble_v).
+    `orders.layer_bounds` gives each virtual stage its blocks of `model.transformer.h`; each
+    block is a layer of the shipped gpt_block.ccn (`coconetc.torch.pipeline.Block`, under
+    SCHEDULE and GRAD_SCHEDULE), holding this rank's part of the block's weights
+    (block_parameters: copies, taken when the pipeline is made) on its stage's
+    tensor-parallel group TP_COMM (None: one rank a stage). The first stage runs the model's
+    own `wte`, `wpe` and `drop` before its layers, the last its `ln_f` and `lm_head` after them
+    and nanoGPT's loss (cross-entropy, ignore_index=-1); each micro-batch's loss is divided by
+    M, so a step's gradients are those of the mean of the micro-batches' losses (the batch's
+    mean loss when no target is -1). The token embedding tied to the head (nanoGPT's
+    `wte.weight is lm_head.weight`) is held by the first and the last stage; `step` sums its
+    two gradients between them (Megatron's embedding group). The blocks' dropout rate is
+    `model.config.dropout`, their masks drawn from SEED, new each step.
+
+        pipe = GPTPipeline(model, "1f1b", microbatches=4, comm=MPI.COMM_WORLD)
+        opt = torch.optim.AdamW(pipe.param_groups(weight_decay=0.1), lr=6e-4)
+        loss = pipe.step(idx, targets)        # the batch's loss on the last stage, else None
+        opt.step(); opt.zero_grad()
+        pipe.update_model()                   # the trained weights back into model, every rank
+
+    Every rank of COMM passes the same model configuration and arguments; a model without
+    nanoGPT's parts, or more virtual stages than blocks, a TypeError or ValueError on every
+    rank before any message."""
+
+    def __init__(self, model: Any, order: str = "1f1b", *, microbatches: int, comm: Any, tp_comm: Any = None,
+                 chunks: int | None = None, schedule: str = "default", grad_schedule: str = "default",
+                 seed: int = 0, backend: str = "cpu"):
+        import math
+
+        from mpi4py import MPI
+
+        from coconetc.pipeline import orders
+        from coconetc.torch.pipeline import Block, Chunk, Pipeline
+        tr = getattr(model, "transformer", None)
+        missing = [n for n in ("wte", "wpe", "drop", "h", "ln_f") if tr is None or not hasattr(tr, n)]
+        if missing or not hasattr(model, "lm_head") or not hasattr(model, "config"):
+            raise TypeError(f"GPTPipeline: model must be nanoGPT's GPT (config, transformer.wte, wpe, drop, h, ln_f "
+                            f"and lm_head); {type(model).__name__} lacks "
+                            f"{'transformer.' + missing[0] if missing else 'lm_head or config'}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"GPTPipeline: seed must be an int, got {type(seed).__name__}")
+        self.model, self.comm = model, comm
+        self.seed = seed
+        tr = model.transformer
+        cfg, L = model.config, len(tr.h)
+        P, rank = comm.Get_size(), comm.Get_rank()
+        placed = orders.make(order, P, microbatches, chunks)  # ValueError for a bad order, M or V (every rank)
+        V = placed.chunks
+        if P * V > L:
+            many = f"{P} stages" if V == 1 else f"{P} stages x {V} chunks a rank = {P * V} virtual stages"
+            fewer = f"at most {L} ranks in comm" if V == 1 else (
+                (f"at most {L // V} ranks in comm, or " if L >= V else "")
+                + f"an order of one chunk a rank, such as '1f1b', on at most {L} ranks")
+            raise ValueError(f"GPTPipeline: {many} for the model's {L} blocks; each stage needs at least one "
+                             f"({fewer})")
+        bounds = orders.layer_bounds(L, P * V)
+        self.block = Block("gpt_block.ccn", "gpt_block", comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
+                           schedule=schedule, grad_schedule=grad_schedule, backend=backend)
+        scale = 1.0 / math.sqrt(cfg.n_embd // cfg.n_head)
+        self.layers: dict[int, Any] = {}  # block index -> its layer (this rank's)
+        self._absent: dict[int, set[str]] = {}
+        head_stage = P * V - 1
+        self.first, self.last = placed.place(0)[0], placed.place(head_stage)[0]
+        chunk_list = []
+        for c in range(V):
+            stage = placed.stage(rank, c)
+            layers = []
+            for i in range(bounds[stage], bounds[stage + 1]):
+                parts = self.block.parts(block_parameters(tr.h[i], cfg.n_head))
+                self._absent[i] = absent_parameters(tr.h[i])
+                self.layers[i] = self.block.layer(parts, scale=scale, pdrop=float(cfg.dropout), seed=seed)
+                layers.append(self.layers[i])
+            chunk_list.append(Chunk(layers, pre=self._pre if stage == 0 else None,
+                                    post=self._post if stage == head_stage else None))
+        self.pipe = Pipeline(chunk_list, order, microbatches=microbatches, comm=comm, loss_fn=self._loss,
+                             tp_comm=tp_comm)
+        self._steps = 0
+        # the head tied to the token embedding on two ranks: their gradients summed between them
+        tied = model.lm_head.weight is tr.wte.weight and self.first != self.last
+        holds = rank in (self.first, self.last)
+        self._tied = comm.Split(0 if holds else MPI.UNDEFINED, rank) if tied else None
+        if self._tied == MPI.COMM_NULL:
+            self._tied = None
+        # the model's own torch parameters this rank computes with
+        own: list[Any] = []
+        if rank == self.first:
+            own += [tr.wte, tr.wpe]
+        if rank == self.last:
+            own += [tr.ln_f, model.lm_head]
+        ids = {id(p) for m in own for p in m.parameters()}
+        self._torch = [(n, p) for n, p in model.named_parameters() if id(p) in ids]
+
+    # the torch parts, as nanoGPT's GPT.forward computes them
+    def _pre(self, idx: torch.Tensor) -> torch.Tensor:
+        tr = self.model.transformer
+        t = idx.shape[1]
+        if t > self.model.config.block_size:
+            raise ValueError(f"GPTPipeline: a sequence of {t} tokens; the model's block_size is "
+                             f"{self.model.config.block_size}")
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        return tr.drop(tr.wte(idx) + tr.wpe(pos))
+
+    def _post(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.transformer.ln_f(x))
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """What this rank trains, by name: each of its blocks' parts as
+        `transformer.h.<i>.<name>` (gpt_block.ccn's names: wq, w_fc, ...; those the model lacks,
+        under bias=False, left out), then the model's own parameters its stages compute with
+        (`transformer.wte.weight` and `wpe` on the first stage, `ln_f` and the head on the last;
+        the tied head once, as `transformer.wte.weight`)."""
+        out = [(f"transformer.h.{i}.{n}", p) for i, ly in sorted(self.layers.items())
+               for n, p in ly.params.items() if n not in self._absent[i]]
+        return out + list(self._torch)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named_parameters()]
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """nanoGPT's configure_optimizers' two groups over this rank's parameters: WEIGHT_DECAY
+        on the weight matrices and the embeddings (the model's 2-D parameters), none on the
+        biases and layernorms; for torch.optim.AdamW."""
+        named = self.named_parameters()
+        decayed = [p for n, p in named if (n.rsplit(".", 1)[-1] in DECAYED if n.startswith("transformer.h.")
+                                           else p.dim() >= 2)]
+        ids = {id(p) for p in decayed}
+        return [{"params": decayed, "weight_decay": weight_decay},
+                {"params": [p for _, p in named if id(p) not in ids], "weight_decay": 0.0}]
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *, losses: list | None = None) -> float | None:
+        """One step over the batch (IDX, TARGETS: [B, T] token ids, on every rank; each rank
+        uses what its stages need): every parameter's gradient of the batch's loss added to its
+        `.grad` (the tied embedding's summed between the first and the last stage); returns the
+        loss on the last stage's ranks, None elsewhere. LOSSES: as Pipeline.step's."""
+        for i, layer in self.layers.items():
+            layer.scalars["seed"] = self.seed + self._steps * len(self.model.transformer.h) + i
+            for n in self._absent[i]:  # (zeros the model lacks: their gradients not kept)
+                layer.params[n].grad = None
+        loss = self.pipe.step(idx, targets, losses=losses)
+        self._steps += 1
+        if self._tied is not None:
+            from mpi4py import MPI
+            g = self.model.transformer.wte.weight.grad
+            host = g.detach().cpu().numpy() if g.device.type != "cpu" else g.detach().numpy()
+            self._tied.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+            if g.device.type != "cpu":
+                g.copy_(torch.from_numpy(host))
+        return loss
+
+    def eval(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        """The batch forward only, without dropout, as nanoGPT's estimate_loss runs the model
+        under model.eval(): with TARGETS the batch's loss on the last stage's ranks, without
+        them the logits; None elsewhere (Pipeline.eval)."""
+        drop = self.model.transformer.drop
+        was = drop.training
+        drop.eval()
+        try:
+            return self.pipe.eval(idx, targets, pdrop=0.0)
+        finally:
+            drop.train(was)
+
+    def update_model(self) -> None:
+        """The trained weights written back into `model` on every rank of COMM and TP_COMM
+        (collective over both): each block's whole weights gathered over its stage's
+        tensor-parallel group (Block.whole) and sent to every stage, the embeddings from the
+        first stage's ranks, ln_f and the head from the last's; then `model` computes as the
+        pipeline does, in one process (to save it with torch.save, sample from it, or check it
+        against one process)."""
+        mine = {i: self.block.whole(ly.params) for i, ly in self.layers.items()}
+        every: dict[int, dict[str, torch.Tensor]] = {}
+        for got in self.comm.allgather(mine):
+            every.update(got)
+        tr = self.model.transformer
+        for i, whole in every.items():
+            load_block_parameters(tr.h[i], whole)
+        for owner, mods in ((self.first, (tr.wte, tr.wpe)), (self.last, (tr.ln_f, self.model.lm_head))):
+            for m in mods:
+                for p in m.parameters():
+                    got = self.comm.bcast(p.detach().cpu() if self.comm.Get_rank() == owner else None, root=owner)
+                    with torch.no_grad():
+                        p.copy_(got)
