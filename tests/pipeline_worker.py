@@ -68,11 +68,12 @@ def wholes(comm, rank: int) -> None:
 def gpt_pipelined(comm, rank: int) -> None:
     """coconetc.torch.gpt.GPTPipeline: nanoGPT's GPT (bench/nanogpt.py, model.py's shape) of 4
     blocks cut into 2 stages, each order below trained 2 SGD steps beside the same model in one
-    process: every step's loss, then (update_model) every parameter of the model, then eval's
-    loss, against the one process's (1f1b with biases and the head tied across the ranks;
-    zero_bubble_v without biases, both ends on rank 0; gpipe on each rank alone, one stage holding the
-    embeddings, every block and the head). A model of 1 block for 2 stages, and a
-    model without nanoGPT's parts, refused on every rank."""
+    process: every step's loss and gradients' norm (clipped to 0.05, below it), then
+    (update_model) every parameter of the model, then eval's loss, against the one process's
+    (1f1b with biases and the head tied across the ranks; zero_bubble_v without biases, both
+    ends on rank 0; gpipe on each rank alone, one stage holding the embeddings, every block and
+    the head). A model of 1 block for 2 stages, and a model without nanoGPT's parts, refused on
+    every rank."""
     import copy
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import nanogpt
@@ -93,6 +94,8 @@ def gpt_pipelined(comm, rank: int) -> None:
             ref_loss.backward()
             if loss is not None:
                 worst = max(worst, abs(loss - ref_loss.item()) / ref_loss.item())
+            norm, ref_norm = pipe.clip_grad_norm_(0.05), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+            worst = max(worst, abs(norm - ref_norm) / ref_norm) if ref_norm > 0.05 else 1.0  # (it clips)
             opt.step()
             ref_opt.step()
             opt.zero_grad()

@@ -218,6 +218,7 @@ class GPTPipeline:
         pipe = GPTPipeline(model, "1f1b", microbatches=4, comm=MPI.COMM_WORLD)
         opt = torch.optim.AdamW(pipe.param_groups(weight_decay=0.1), lr=6e-4)
         loss = pipe.step(idx, targets)        # the batch's loss on the last stage, else None
+        pipe.clip_grad_norm_(1.0)             # nanoGPT's grad_clip, over the whole model
         opt.step(); opt.zero_grad()
         pipe.update_model()                   # the trained weights back into model, every rank
 
@@ -342,10 +343,11 @@ class GPTPipeline:
         loss on the last stage's ranks, None elsewhere. LOSSES: as Pipeline.step's."""
         for i, layer in self.layers.items():
             layer.scalars["seed"] = self.seed + self._steps * len(self.model.transformer.h) + i
-            for n in self._absent[i]:  # (zeros the model lacks: their gradients not kept)
-                layer.params[n].grad = None
         loss = self.pipe.step(idx, targets, losses=losses)
         self._steps += 1
+        for i, layer in self.layers.items():
+            for n in self._absent[i]:  # (zeros the model lacks: no gradient, as in the model; none clipped)
+                layer.params[n].grad = None
         if self._tied is not None:
             from mpi4py import MPI
             g = self.model.transformer.wte.weight.grad
@@ -354,6 +356,17 @@ class GPTPipeline:
             if g.device.type != "cpu":
                 g.copy_(torch.from_numpy(host))
         return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """torch.nn.utils.clip_grad_norm_ over the whole model, as nanoGPT's grad_clip: the norm of
+        every gradient of the model (each parameter once: the tied embedding as the first stage's)
+        and every gradient scaled by max_norm / (norm + 1e-6) where that is below 1
+        (Pipeline.clip_grad_norm_); the norm, the same on every rank. After step (and after
+        summing data-parallel groups' gradients), before the optimizer's step, on every rank."""
+        wte = self.model.transformer.wte.weight
+        tied = [wte] if self._tied is not None and self.comm.Get_rank() == self.last else []
+        return self.pipe.clip_grad_norm_(max_norm, [p for _, p in self._torch if not any(p is t for t in tied)],
+                                         norm_type, tied=tied)
 
     def eval(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         """The batch forward only, without dropout, as nanoGPT's estimate_loss runs the model
