@@ -140,7 +140,9 @@ def test_a_pipeline_schedule_is_checked_and_shows_its_timeline(tmp_path) -> None
 
 
 @pytest.mark.parametrize("line, at, says", [
-    ("pipeline(stages=8, microbatches=4)", "8,", "need 8 layers; y has 4"),
+    ("pipeline(stages=8, microbatches=4)", "8,", "8 stages need 8 layers; y has 4 (use stages=4 or fewer)"),
+    ('pipeline(stages=2, microbatches=4, order="interleaved", chunks=4)', "2,",
+     "2 stages x 4 chunks a rank need 8 layers; y has 4 (use stages=1 or fewer)"),
     ('pipeline(stages=2, microbatches=4, layers=[4, 0])', "layers=", "virtual stage 1 has no layers"),
     ('pipeline(stages=2, microbatches=4, layers=[-1, 5])', "layers=", "virtual stage 0 has -1 layers"),
     ('pipeline(stages=2, microbatches=4, layers=[2, 1])', "layers=", "adds up to 3; y has 4"),

@@ -93,8 +93,10 @@ def cut(p: Program, d: Pipeline) -> Cut:
     n = len(layer_ranges(p, name))
     virtual = d.stages * d.chunks
     if virtual > n:
-        raise CompileError.at(d.at("stages="), f"pipeline(): {d.stages} stages x {d.chunks} chunks need {virtual} "
-                              f"layers; {name} has {n} (use stages={max(1, n // d.chunks)} or fewer)")
+        many = f"{d.stages} stages" if d.chunks == 1 else f"{d.stages} stages x {d.chunks} chunks a rank"
+        fix = f"use stages={n // d.chunks} or fewer" if n >= d.chunks else \
+            f"fewer layers than chunks a rank: use an order of one chunk a rank, such as \"1f1b\", on {n} stages or fewer"
+        raise CompileError.at(d.at("stages="), f"pipeline(): {many} need {virtual} layers; {name} has {n} ({fix})")
     if d.chunks > 1 and n % d.chunks:
         raise CompileError.at(d.at("chunks="), f"pipeline(): chunks={d.chunks} does not divide {name}'s {n} layers "
                               f"into equal chunks a rank (use a chunk count that divides {n})")
