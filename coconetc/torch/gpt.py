@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from coconetc.ir.slices import slice_range
+from coconetc.torch.parts import joined
 
 # The block's parameters in examples/gpt_block.ccn's order, and where nanoGPT keeps each.
 NAMES = ("ln1_w", "ln1_b", "wq", "bq", "wk", "wv", "bv", "wo", "bo", "ln2_w", "ln2_b", "w_fc", "b_fc",
@@ -93,8 +94,7 @@ class _Group:
         """The ranks' slices of dim 1 joined (WHOLE rows in all)."""
         t = t.detach().contiguous()
         if self.pg is None:
-            parts = self.comm.allgather(t.cpu().numpy())
-            return torch.cat([torch.from_numpy(p) for p in parts], dim=1).to(t.device)
+            return joined(self.comm, [t], [1])[0]
         import torch.distributed as dist
         most = -(-whole // self.size)  # every rank's slice padded to the first's rows
         pad = torch.zeros(t.shape[0], most, *t.shape[2:], dtype=t.dtype, device=t.device)

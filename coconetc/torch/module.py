@@ -11,6 +11,7 @@ import torch
 from coconetc.runtime import layout
 from coconetc.torch.differentiable import function
 from coconetc.torch.params import bind
+from coconetc.torch.parts import joined
 
 
 class Module(torch.nn.Module):
@@ -75,11 +76,10 @@ class Module(torch.nn.Module):
             dist.all_gather_object(parts, part.cpu(), group=self.fn.process_group)
             mine = (dist.get_rank(self.fn.process_group) // gs) * gs
             parts = parts[mine:mine + gs]
-        else:
-            group = comm if self.groups == 1 else comm.Split(comm.Get_rank() // gs, r)
-            try:
-                parts = group.allgather(part.cpu())
-            finally:
-                if group is not comm:
-                    group.Free()
-        return torch.cat(parts, dim=q.type.layout.dim).to(part.device)
+            return torch.cat(parts, dim=q.type.layout.dim).to(part.device)
+        group = comm if self.groups == 1 else comm.Split(comm.Get_rank() // gs, r)
+        try:
+            return joined(group, [part], [q.type.layout.dim])[0]
+        finally:
+            if group is not comm:
+                group.Free()

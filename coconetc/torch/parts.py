@@ -56,6 +56,14 @@ class Spec:
         return self.name, self.shape, self.dim, str(self.dtype)
 
 
+def joined(comm: Any, parts: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+    """Each of PARTS joined with the other ranks' along its dim of DIMS, in rank order: the whole
+    tensors whose slices the ranks of COMM (mpi4py) hold, each on its part's device (one
+    all-gather of host copies; every rank passes as many parts, in the same order)."""
+    every = comm.allgather([t.detach().cpu() for t in parts])
+    return [torch.cat([got[i] for got in every], dim=d).to(t.device) for i, (t, d) in enumerate(zip(parts, dims))]
+
+
 def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 

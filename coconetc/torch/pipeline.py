@@ -208,17 +208,11 @@ class Block:
             raise TypeError("Block.whole: the ranks of comm pass different weights (" +
                             "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, (names, _) in enumerate(told)) +
                             "); each passes the same names")
+        from coconetc.torch.parts import joined
         sliced = [n for n in mine if self._decl[n].type.layout.sliced] if size > 1 else []
-        every = self.comm.allgather([parts[n].detach().cpu() for n in sliced]) if sliced else []
-        out = {}
-        for n in mine:
-            t = parts[n].detach()
-            if n in sliced:
-                i = sliced.index(n)
-                out[n] = torch.cat([got[i] for got in every], dim=self._decl[n].type.layout.dim).to(t.device)
-            else:
-                out[n] = t.clone()
-        return out
+        wholes = dict(zip(sliced, joined(self.comm, [parts[n] for n in sliced],
+                                         [self._decl[n].type.layout.dim for n in sliced]))) if sliced else {}
+        return {n: wholes[n] if n in wholes else parts[n].detach().clone() for n in mine}
 
     def layer(self, params: dict[str, torch.Tensor], **scalars: Any) -> Layer:
         """One layer of this block: its weights (this rank's parts, leaf tensors whose `.grad`
