@@ -71,25 +71,28 @@ def gpt_pipelined(comm, rank: int) -> None:
     process: every step's loss and gradients' norm (clipped to 0.05, below it), then
     (update_model) every parameter of the model, then eval's loss, against the one process's
     (1f1b with biases and the head tied across the ranks; zero_bubble_v without biases, both
-    ends on rank 0; gpipe in one stage holding the embeddings, every block and the head, tensor
-    parallel over both ranks). A model of 1 block for 2 stages, and a model without nanoGPT's parts, refused on
+    ends on rank 0; one stage holding the embeddings, every block and the head over both ranks:
+    gpipe tensor parallel, 1f1b sequence parallel, each rank's blocks on its slice of 7 tokens). A model of 1 block for 2 stages, and a model without nanoGPT's parts, refused on
     every rank."""
     import copy
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import nanogpt
 
     from coconetc.torch.gpt import GPTPipeline
-    for order, bias, pp in (("1f1b", True, comm), ("zero_bubble_v", False, comm), ("gpipe", True, MPI.COMM_SELF)):
-        tp = None if pp is comm else comm  # (one stage: both ranks its tensor-parallel group)
+    for order, bias, pp, program in (("1f1b", True, comm, "gpt_block"), ("zero_bubble_v", False, comm, "gpt_block"),
+                                     ("gpipe", True, MPI.COMM_SELF, "gpt_block"),
+                                     ("1f1b", True, MPI.COMM_SELF, "gpt_block_sp")):
+        tp = None if pp is comm else comm  # (one stage: both ranks its tensor- or sequence-parallel group)
         torch.manual_seed(0)
         model = nanogpt.GPT(nanogpt.GPTConfig(block_size=8, vocab_size=16, n_layer=4, n_head=2, n_embd=8, bias=bias))
         ref = copy.deepcopy(model)
-        pipe = GPTPipeline(model, order, microbatches=4, comm=pp, tp_comm=tp)
+        pipe = GPTPipeline(model, order, microbatches=4, comm=pp, tp_comm=tp, program=program)
         opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
         g = torch.Generator().manual_seed(1)
         worst = 0.0
         for _ in range(2):
-            idx, tgt = torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g)
+            # (7 tokens: a sequence-parallel pair of slices of 4 and 3)
+            idx, tgt = torch.randint(0, 16, (8, 7), generator=g), torch.randint(0, 16, (8, 7), generator=g)
             loss = pipe.step(idx, tgt)
             ref_loss = ref(idx, tgt)[1]
             ref_loss.backward()
@@ -110,7 +113,7 @@ def gpt_pipelined(comm, rank: int) -> None:
             worst = max(worst, abs(val - ref_val) / ref_val)
         decayed = len(pipe.param_groups(0.1)[0]["params"])
         ok = worst < 1e-6 and moved < 1e-6
-        print(f"gptpipe {rank} {order}{'' if tp is None else '/tp2'} {'ok' if ok else 'WRONG'}: loss {worst:.1e}, weights {moved:.1e}, "
+        print(f"gptpipe {rank} {order}{'' if tp is None else '/tp2' if program == 'gpt_block' else '/sp2'} {'ok' if ok else 'WRONG'}: loss {worst:.1e}, weights {moved:.1e}, "
               f"{decayed} decayed", flush=True)
     refused({"gptstages": lambda: GPTPipeline(nanogpt.GPT(nanogpt.GPTConfig(
                  block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)), microbatches=4, comm=comm),

@@ -75,11 +75,12 @@ def test_bad_input_is_refused_on_every_rank(capfd) -> None:
     assert sorted(said["masks"]) == ["0 ok", "1 ok"], log  # dropout: each micro-batch its own masks
     # coconetc.torch.gpt.GPTPipeline: nanoGPT's GPT in 2 stages against one process, then refused inputs
     assert sorted(m.split(":")[0] for m in said["gptpipe"]) == [
-        "0 1f1b ok", "0 gpipe/tp2 ok", "0 zero_bubble_v ok", "1 1f1b ok", "1 gpipe/tp2 ok", "1 zero_bubble_v ok"], log
+        "0 1f1b ok", "0 1f1b/sp2 ok", "0 gpipe/tp2 ok", "0 zero_bubble_v ok", "1 1f1b ok", "1 1f1b/sp2 ok",
+        "1 gpipe/tp2 ok", "1 zero_bubble_v ok"], log
     # (the weight matrices and embeddings decayed: 2 blocks' 6 a rank, wte and wpe on rank 0, the tied head on 1;
-    # one stage, tensor parallel over both ranks: 4 blocks' parts and both embeddings)
+    # one stage over both ranks: 4 blocks' parts and both embeddings)
     assert sorted(m.split(", ")[-1] for m in said["gptpipe"]) == ["12 decayed", "13 decayed", "14 decayed",
-                                                                  "14 decayed", "26 decayed", "26 decayed"], log
+                                                                  "14 decayed"] + ["26 decayed"] * 4, log
     assert all("GPTPipeline: 2 stages for the model's 1 blocks; each stage needs at least one (at most 1 ranks in comm)"
                in m for m in said["gptstages"]) and len(said["gptstages"]) == 2, log
     assert all("model must be nanoGPT's GPT" in m and "Linear lacks transformer.wte" in m

@@ -203,10 +203,12 @@ class GPTPipeline:
     of coconetc.pipeline.ORDERS) over MICROBATCHES micro-batches; CHUNKS: the model chunks a
     rank holds (the order's own where None: 2 for interleaved and zero_bubble_v).
     `orders.layer_bounds` gives each virtual stage its blocks of `model.transformer.h`; each
-    block is a layer of the shipped gpt_block.ccn (`coconetc.torch.pipeline.Block`, under
-    SCHEDULE and GRAD_SCHEDULE), holding this rank's part of the block's weights
-    (block_parameters: copies, taken when the pipeline is made) on its stage's
-    tensor-parallel group TP_COMM (None: one rank a stage). The first stage runs the model's
+    block is a layer of the shipped gpt_block.ccn's PROGRAM (`coconetc.torch.pipeline.Block`,
+    under SCHEDULE and GRAD_SCHEDULE), holding this rank's part of the block's weights
+    (block_parameters: copies, taken when the pipeline is made) on its stage's group TP_COMM
+    (None: one rank a stage): tensor parallel (gpt_block), or sequence parallel (gpt_block_sp:
+    the embeddings' output cut to this rank's slice of the sequence, the last block's joined
+    before ln_f, as examples/train_gpt.py --mode sp does). The first stage runs the model's
     own `wte`, `wpe` and `drop` before its layers, the last its `ln_f` and `lm_head` after them
     and nanoGPT's loss (cross-entropy, ignore_index=-1); each micro-batch's loss is divided by
     M, so a step's gradients are those of the mean of the micro-batches' losses (the batch's
@@ -227,8 +229,8 @@ class GPTPipeline:
     rank before any message."""
 
     def __init__(self, model: Any, order: str = "1f1b", *, microbatches: int, comm: Any, tp_comm: Any = None,
-                 chunks: int | None = None, schedule: str = "default", grad_schedule: str = "default",
-                 seed: int = 0, backend: str = "cpu"):
+                 chunks: int | None = None, program: str = "gpt_block", schedule: str = "default",
+                 grad_schedule: str = "default", seed: int = 0, backend: str = "cpu"):
         import math
 
         from mpi4py import MPI
@@ -241,6 +243,9 @@ class GPTPipeline:
             raise TypeError(f"GPTPipeline: model must be nanoGPT's GPT (config, transformer.wte, wpe, drop, h, ln_f "
                             f"and lm_head); {type(model).__name__} lacks "
                             f"{'transformer.' + missing[0] if missing else 'lm_head or config'}")
+        if program not in ("gpt_block", "gpt_block_sp"):
+            raise ValueError(f"GPTPipeline: program must be 'gpt_block' (tensor parallel) or 'gpt_block_sp' "
+                             f"(sequence parallel), got {program!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"GPTPipeline: seed must be an int, got {type(seed).__name__}")
         self.model, self.comm = model, comm
@@ -258,8 +263,12 @@ class GPTPipeline:
             raise ValueError(f"GPTPipeline: {many} for the model's {L} blocks; each stage needs at least one "
                              f"({fewer})")
         bounds = orders.layer_bounds(L, P * V)
-        self.block = Block("gpt_block.ccn", "gpt_block", comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
+        self.block = Block("gpt_block.ccn", program, comm=tp_comm if tp_comm is not None else MPI.COMM_SELF,
                            schedule=schedule, grad_schedule=grad_schedule, backend=backend)
+        # sequence parallel: each rank's blocks see its slice of the sequence, cut after the
+        # embeddings and joined before ln_f (Megatron's conjugates)
+        self._sp = tp_comm if not self.block.replicated and tp_comm is not None and tp_comm.Get_size() > 1 else None
+        self._seq = 0  # the step's sequence length (the join's)
         scale = 1.0 / math.sqrt(cfg.n_embd // cfg.n_head)
         self.layers: dict[int, Any] = {}  # block index -> its layer (this rank's)
         self._absent: dict[int, set[str]] = {}
@@ -302,9 +311,12 @@ class GPTPipeline:
             raise ValueError(f"GPTPipeline: a sequence of {t} tokens; the model's block_size is "
                              f"{self.model.config.block_size}")
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
-        return tr.drop(tr.wte(idx) + tr.wpe(pos))
+        x = tr.drop(tr.wte(idx) + tr.wpe(pos))
+        return x if self._sp is None else scatter_sequence(x, comm=self._sp)
 
     def _post(self, x: torch.Tensor) -> torch.Tensor:
+        if self._sp is not None:
+            x = gather_sequence(x, self._seq, comm=self._sp)
         return self.model.lm_head(self.model.transformer.ln_f(x))
 
     @staticmethod
@@ -343,6 +355,7 @@ class GPTPipeline:
         loss on the last stage's ranks, None elsewhere. LOSSES: as Pipeline.step's."""
         for i, layer in self.layers.items():
             layer.scalars["seed"] = self.seed + self._steps * len(self.model.transformer.h) + i
+        self._seq = idx.shape[1]
         loss = self.pipe.step(idx, targets, losses=losses)
         self._steps += 1
         for i, layer in self.layers.items():
@@ -372,6 +385,7 @@ class GPTPipeline:
         """The batch forward only, without dropout, as nanoGPT's estimate_loss runs the model
         under model.eval(): with TARGETS the batch's loss on the last stage's ranks, without
         them the logits; None elsewhere (Pipeline.eval)."""
+        self._seq = idx.shape[1]
         drop = self.model.transformer.drop
         was = drop.training
         drop.eval()
