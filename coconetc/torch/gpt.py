@@ -27,6 +27,27 @@ NAMES = ("ln1_w", "ln1_b", "wq", "bq", "wk", "wv", "bv", "wo", "bo", "ln2_w", "l
          "w_proj", "b_proj")
 
 
+# The block's parameters that are one of nanoGPT's tensors as it is: the Linear or LayerNorm that
+# holds it and which of its tensors (module path, attribute). Where nanoGPT lacks it (its
+# biases under bias=False) the block's is zeros, and stays zero (GPTPipeline leaves it out of
+# what the optimizer steps).
+_HELD = {"ln1_w": ("ln_1", "weight"), "ln1_b": ("ln_1", "bias"), "bo": ("attn.c_proj", "bias"),
+         "ln2_w": ("ln_2", "weight"), "ln2_b": ("ln_2", "bias"), "b_fc": ("mlp.c_fc", "bias"),
+         "b_proj": ("mlp.c_proj", "bias")}
+
+
+def _holder(block: Any, path: str) -> Any:
+    for part in path.split("."):
+        block = getattr(block, part)
+    return block
+
+
+def _held(block: Any, name: str) -> torch.Tensor | None:
+    """nanoGPT's tensor of the block's parameter NAME (of _HELD), None where it has none."""
+    path, attr = _HELD[name]
+    return getattr(_holder(block, path), attr, None)
+
+
 def _bias(linear: Any, n: int, like: torch.Tensor) -> torch.Tensor:
     """A Linear's bias, or zeros where it has none (nanoGPT's bias=False)."""
     b = getattr(linear, "bias", None)
@@ -53,18 +74,20 @@ def block_parameters(block: Any, n_head: int) -> dict[str, torch.Tensor]:
     def heads(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(*t.shape[:-1], n_head, hd)
 
-    def ln(m: Any, part: str) -> torch.Tensor:
-        t = getattr(m, part, None)
-        return (t if t is not None else torch.zeros(H, dtype=w.dtype, device=w.device)).detach()
+    def held(n: str) -> torch.Tensor:  # nanoGPT's tensor as it is, or zeros of its module's width
+        t = _held(block, n)
+        if t is None:
+            m = _holder(block, _HELD[n][0])
+            width = m.weight.shape[0] if getattr(m, "weight", None) is not None else H
+            t = torch.zeros(width, dtype=w.dtype, device=w.device)
+        return t.detach()
 
     out = {
-        "ln1_w": ln(block.ln_1, "weight"), "ln1_b": ln(block.ln_1, "bias"),
         "wq": heads(w[:H].T), "bq": heads(b[:H]), "wk": heads(w[H:2 * H].T),
         "wv": heads(w[2 * H:].T), "bv": heads(b[2 * H:]),
-        "wo": attn.c_proj.weight.detach().T.reshape(n_head, hd, H), "bo": _bias(attn.c_proj, H, w).detach(),
-        "ln2_w": ln(block.ln_2, "weight"), "ln2_b": ln(block.ln_2, "bias"),
-        "w_fc": mlp.c_fc.weight.detach().T, "b_fc": _bias(mlp.c_fc, mlp.c_fc.weight.shape[0], w).detach(),
-        "w_proj": mlp.c_proj.weight.detach().T, "b_proj": _bias(mlp.c_proj, H, w).detach(),
+        "wo": attn.c_proj.weight.detach().T.reshape(n_head, hd, H),
+        "w_fc": mlp.c_fc.weight.detach().T, "w_proj": mlp.c_proj.weight.detach().T,
+        **{n: held(n) for n in _HELD},
     }
     return {k: out[k].clone().contiguous() for k in NAMES}
 
@@ -140,26 +163,15 @@ def gather_sequence(x: torch.Tensor, seq_len: int, *, comm: Any = None, process_
     return _Gather.apply(x, _Group(comm, process_group), seq_len)
 
 
-# nanoGPT's Linear or LayerNorm that holds each of the block's parameters, and which of its
-# tensors: (module path, attribute); a parameter whose tensor nanoGPT lacks (bias=False) is
-# zero in the block and stays zero (GPTPipeline leaves it out of what the optimizer steps)
-_HOLDERS = {"ln1_w": ("ln_1", "weight"), "ln1_b": ("ln_1", "bias"), "bq": ("attn.c_attn", "bias"),
-            "bv": ("attn.c_attn", "bias"), "bo": ("attn.c_proj", "bias"), "ln2_w": ("ln_2", "weight"),
-            "ln2_b": ("ln_2", "bias"), "b_fc": ("mlp.c_fc", "bias"), "b_proj": ("mlp.c_proj", "bias")}
 # the block's weight matrices: decayed by nanoGPT's configure_optimizers (its 2-D parameters)
 DECAYED = ("wq", "wk", "wv", "wo", "w_fc", "w_proj")
-
-
-def _holder(block: Any, path: str) -> Any:
-    for part in path.split("."):
-        block = getattr(block, part)
-    return block
 
 
 def absent_parameters(block: Any) -> set[str]:
     """The names of block_parameters(BLOCK) that nanoGPT's BLOCK does not have (its biases and
     layernorm biases under bias=False): zeros there."""
-    return {n for n, (path, attr) in _HOLDERS.items() if getattr(_holder(block, path), attr, None) is None}
+    qv = {"bq", "bv"} if getattr(block.attn.c_attn, "bias", None) is None else set()
+    return qv | {n for n in _HELD if _held(block, n) is None}
 
 
 def load_block_parameters(block: Any, params: dict[str, torch.Tensor]) -> None:
@@ -190,11 +202,10 @@ def load_block_parameters(block: Any, params: dict[str, torch.Tensor]) -> None:
         if attn.c_attn.bias is not None:
             attn.c_attn.bias[:H].copy_(params["bq"].detach().reshape(H))
             attn.c_attn.bias[2 * H:].copy_(params["bv"].detach().reshape(H))
-        absent = absent_parameters(block)
-        for n in ("ln1_w", "ln1_b", "bo", "ln2_w", "ln2_b", "b_fc", "b_proj"):
-            if n not in absent:
-                path, attr = _HOLDERS[n]
-                getattr(_holder(block, path), attr).copy_(params[n].detach())
+        for n in _HELD:
+            t = _held(block, n)
+            if t is not None:
+                t.copy_(params[n].detach())
 
 
 class GPTPipeline:
@@ -364,10 +375,10 @@ class GPTPipeline:
         if self._tied is not None:
             from mpi4py import MPI
             g = self.model.transformer.wte.weight.grad
-            host = g.detach().cpu().numpy() if g.device.type != "cpu" else g.detach().numpy()
-            self._tied.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+            host = g.detach().cpu()  # (on the CPU, g's own memory)
+            self._tied.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
             if g.device.type != "cpu":
-                g.copy_(torch.from_numpy(host))
+                g.copy_(host)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -408,9 +419,10 @@ class GPTPipeline:
         tr = self.model.transformer
         for i, whole in every.items():
             load_block_parameters(tr.h[i], whole)
+        sent: set[int] = set()  # (the head tied to wte: sent once, as the first stage's)
         for owner, mods in ((self.first, (tr.wte, tr.wpe)), (self.last, (tr.ln_f, self.model.lm_head))):
-            for m in mods:
-                for p in m.parameters():
-                    got = self.comm.bcast(p.detach().cpu() if self.comm.Get_rank() == owner else None, root=owner)
-                    with torch.no_grad():
-                        p.copy_(got)
+            for p in (p for m in mods for p in m.parameters() if id(p) not in sent):
+                sent.add(id(p))
+                got = self.comm.bcast(p.detach().cpu() if self.comm.Get_rank() == owner else None, root=owner)
+                with torch.no_grad():
+                    p.copy_(got)
