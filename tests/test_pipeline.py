@@ -148,6 +148,8 @@ def test_a_pipeline_schedule_is_checked_and_shows_its_timeline(tmp_path) -> None
     ('pipeline(stages=2, microbatches=4, layers=[-1, 5])', "layers=", "virtual stage 0 has -1 layers"),
     ('pipeline(stages=2, microbatches=4, layers=[2, 1])', "layers=", "adds up to 3; y has 4"),
     ('pipeline(stages=1, microbatches=4, order="interleaved", chunks=3)', "3)", "does not divide y's 4 layers"),
+    # not "use stages=1", which a chunk count of 3 would refuse again
+    ('pipeline(stages=2, microbatches=4, order="interleaved", chunks=3)', "3)", "does not divide y's 4 layers"),
     ('pipeline(stages=2, microbatches=3, order="interleaved")', "3,", "microbatches=3"),
     ('pipeline(stages=2, microbatches=4, order="zero_bubble_v", chunks=3)', "3)",
      "order 'zero_bubble_v' runs 2 model chunks a rank (placed in a V), not chunks=3: use chunks=2"),

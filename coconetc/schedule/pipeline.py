@@ -92,14 +92,15 @@ def cut(p: Program, d: Pipeline) -> Cut:
         raise CompileError.at(d.at(key), f"pipeline(): {err}") from None
     n = len(layer_ranges(p, name))
     virtual = d.stages * d.chunks
-    if virtual > n:
-        many = f"{d.stages} stages" if d.chunks == 1 else f"{d.stages} stages x {d.chunks} chunks a rank"
-        fix = f"use stages={n // d.chunks} or fewer" if n >= d.chunks else \
-            f"fewer layers than chunks a rank: use an order of one chunk a rank, such as \"1f1b\", on {n} stages or fewer"
-        raise CompileError.at(d.at("stages="), f"pipeline(): {many} need {virtual} layers; {name} has {n} ({fix})")
+    # the chunks first: with a chunk count that divides the layers, stages=n // chunks is a cut
+    # (the stages' advice below never leads to this refusal)
     if d.chunks > 1 and n % d.chunks:
         raise CompileError.at(d.at("chunks="), f"pipeline(): chunks={d.chunks} does not divide {name}'s {n} layers "
                               f"into equal chunks a rank (use a chunk count that divides {n})")
+    if virtual > n:
+        many = f"{d.stages} stages" if d.chunks == 1 else f"{d.stages} stages x {d.chunks} chunks a rank"
+        raise CompileError.at(d.at("stages="), f"pipeline(): {many} need {virtual} layers; {name} has {n} "
+                              f"(use stages={n // d.chunks} or fewer)")
     even = orders.layer_bounds(n, virtual)
     sizes = d.layers if d.layers is not None else tuple(b - a for a, b in zip(even, even[1:]))
     if d.layers is not None:
