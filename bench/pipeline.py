@@ -388,11 +388,10 @@ def work_events(pipe: Any) -> list[tuple]:
 
 
 def bubble_of(events: list[list[tuple]]) -> float:
-    """Idle fraction of every rank's events: 1 - work / (ranks x makespan), the makespan from
-    the first action's start to the last one's end over the ranks."""
-    allev = [e for evs in events for e in evs]
-    span = max(e[4] for e in allev) - min(e[3] for e in allev)
-    return 1 - sum(e[5] for e in allev) / (len(events) * span) if span > 0 else 0.0
+    """Idle fraction of every rank's events (orders.idle_fraction: 1 - work / (ranks x
+    makespan), as coconetc trace-merge reads it from a trace)."""
+    from coconetc.pipeline.orders import idle_fraction
+    return idle_fraction(((e[3], e[4], e[5]) for evs in events for e in evs), len(events))
 
 
 def step_overheads(events: list[list[tuple]], order: Any) -> tuple[list[float], list[float]]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 ORDERS = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2", "zero_bubble_v")
@@ -424,6 +424,18 @@ class Slot:
     end: float
 
 
+def idle_fraction(actions: Iterable[tuple[float, float, float]], ranks: int) -> float:
+    """The bubble of a step whose ACTIONS (start, end, work: the time it computed, less what it
+    waited for) ran on RANKS ranks: 1 - work / (ranks x makespan), the makespan from the first
+    action's start to the last one's end over the ranks. What the simulation predicts
+    (Timeline.bubble), the trace measures (coconetc trace-merge) and the bench reports."""
+    acts = list(actions)
+    if not acts:
+        return 0.0
+    span = max(a[1] for a in acts) - min(a[0] for a in acts)
+    return 1 - sum(a[2] for a in acts) / (ranks * span) if span > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Timeline:
     """Every action's start and end when each rank runs its list in order, each action
@@ -438,10 +450,7 @@ class Timeline:
 
     def bubble(self) -> float:
         """Idle fraction of the ranks' time until the makespan."""
-        if self.makespan <= 0:
-            return 0.0
-        total = sum(self.busy(r) for r in range(self.order.ranks))
-        return 1 - total / (self.order.ranks * self.makespan)
+        return idle_fraction(((s.start, s.end, s.end - s.start) for s in self.slots), self.order.ranks)
 
     def peak_activations(self, rank: int) -> int:
         """Most micro-batches whose activations the rank holds at once, counted per (chunk,

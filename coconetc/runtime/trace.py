@@ -273,13 +273,10 @@ def pipeline_bubbles(events: Sequence[dict[str, Any]]) -> dict[tuple[int, int], 
     for e in events:
         if e.get("cat") == "action":
             steps.setdefault((int(e["args"]["pipeline"]), int(e["args"]["run"])), []).append(e)
-    out = {}
-    for k, evs in sorted(steps.items()):
-        span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)
-        work = sum(e["args"]["work_us"] for e in evs)
-        ranks = len({e["pid"] for e in evs})
-        out[k] = 1 - work / (ranks * span) if span > 0 else 0.0
-    return out
+    from coconetc.pipeline.orders import idle_fraction
+    return {k: idle_fraction(((e["ts"], e["ts"] + e["dur"], e["args"]["work_us"]) for e in evs),
+                             len({e["pid"] for e in evs}))
+            for k, evs in sorted(steps.items())}
 
 
 def merge(files: Sequence[str | os.PathLike], out: str | os.PathLike) -> dict[str, Any]:
