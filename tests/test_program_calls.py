@@ -320,6 +320,26 @@ def test_the_backward_recomputes_the_layers_of_the_stacked_parameters(mod):
                                    atol=1e-14, err_msg=pub)
 
 
+def test_a_stacked_weight_of_more_than_2_dims_gets_its_gradient_made_in_its_rows():
+    """examples/gpt_pipeline.ccn's derived program: each layer's q, k, v and o weight gradient
+    is `reshape(matmul_tn(x, g))` ([H, NH * HD] read as [H, NH, HD]); the GEMM's result is made
+    straight into its row of the stacked gradient, the reshape a view of it (plan/targets.py,
+    assembled_stacks): no unindex, no sum of stacked buffers for them. (tests/test_train_gpt.py's
+    --from-schedule run compiles these rows and trains against one process.)"""
+    from coconetc.plan import plan_program
+    from coconetc.plan.units import Library
+    from coconetc.sourcefile import load_file
+    plan = plan_program(vjp(load_file(HERE.parent / "examples" / "gpt_pipeline.ccn").program("gpt")))
+    bufs = {b.name: b for b in plan.buffers}
+    for w, made in (("wq", "q_reshape"), ("wk", "k_reshape"), ("wv", "v_reshape"), ("wo", "ap_reshape")):
+        for k in range(4):
+            got = bufs[f"g_y__l{k}__{made}"]
+            assert (got.same_as, got.same_at) == (f"d_{w}", k), got
+            assert bufs[f"g_y__l{k}__{w}"].same_as == got.name  # the [H, NH, HD] reshape: a view of it
+    unindexed = [u.args[0] for u in plan.units if isinstance(u, Library) and u.op == "unindex"]
+    assert not [n for n in unindexed if re.search(r"__(wq|wk|wv|wo|bq|bv)$", n)], unindexed
+
+
 # --- programs imported from another file ---------------------------------------------------------
 BLOCK_FILE = """program blk(x: f64[B, H] replicated, w: f64[H, H] replicated) {
     y = x + matmul(x, w)

@@ -28,8 +28,12 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
         w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
     for b in _declaration_order(w.plan.buffers):
         declare(b)
-    if check is not None and any(reshape_into_output(w, b) for b in w.plan.buffers):
-        w.emit("// every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory")
+    into = [where for b in w.plan.buffers for where, held in (("an output's memory", reshape_into_output(w, b)),
+                                                               ("a row of a stacked gradient", _reshape_of_a_row(w, b)))
+            if held]
+    if check is not None and into:
+        w.emit("// every reshape's sizes checked first, in order: a reshape's source is computed in "
+               + " or in ".join(dict.fromkeys(into)))
         for u in w.plan.units:
             if isinstance(u, Library) and u.op == "reshape":
                 check(u)
@@ -64,6 +68,14 @@ def reshape_into_output(w: Writer, b: Buffer) -> Library | None:
     if not b.same_as or b.same_at is not None or w.buffers[b.same_as].kind != "output":
         return None
     return next(u for u in w.plan.units if isinstance(u, Library) and u.op == "reshape" and u.args[0] == b.name)
+
+
+def _reshape_of_a_row(w: Writer, b: Buffer) -> bool:
+    """A reshape held in its source's memory, the source made in a row of a stacked gradient
+    (plan/targets.py, assembled_stacks): a source larger than the reshape would run into the
+    next row, so the reshapes' sizes are checked before anything runs."""
+    src = w.buffers.get(b.same_as) if b.same_as and b.same_at is None else None
+    return src is not None and src.same_at is not None and not w.plan.is_index(src.name)
 
 
 def declare(w: Writer, b: Buffer) -> bool:
