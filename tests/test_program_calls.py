@@ -338,6 +338,23 @@ def test_a_stacked_weight_of_more_than_2_dims_gets_its_gradient_made_in_its_rows
             assert bufs[f"g_y__l{k}__{w}"].same_as == got.name  # the [H, NH, HD] reshape: a view of it
     unindexed = [u.args[0] for u in plan.units if isinstance(u, Library) and u.op == "unindex"]
     assert not [n for n in unindexed if re.search(r"__(wq|wk|wv|wo|bq|bv)$", n)], unindexed
+    # its accumulating cut (what a pipeline's stage runs after its first micro-batch): each
+    # weight gradient's GEMM adds into its row of the accumulator (beta = 1, every backend,
+    # plan/targets.py accumulated_in_place), no loop adds a stacked gradient into it
+    from coconetc.autodiff.saved import acc_name, bwd_name
+    from coconetc.plan.units import Loop
+    from coconetc.sourcefile import with_grads
+    acc = with_grads(load_file(HERE.parent / "examples" / "gpt_pipeline.ccn"), ["gpt:x+acc"]).plans[
+        (acc_name(bwd_name("gpt")), "default")]
+    bufs = {b.name: b for b in acc.buffers}
+    gemms = {u.dst: u for u in acc.units if isinstance(u, Library) and u.op == "matmul_tn"}
+    for w, made in (("wq", "q_reshape"), ("wo", "ap_reshape"), ("w_fc", "w_fc"), ("w_proj", "w_proj")):
+        for k in range(4):
+            g = f"g_y__l{k}__{made}"
+            assert gemms[g].accumulate and (bufs[g].same_as, bufs[g].same_at) == (f"d_{w}_acc", k), bufs[g]
+        assert bufs[f"d_{w}_acc"].kind == "alias" and f"d_{w}" not in bufs
+    summed = [it.name for u in acc.units if isinstance(u, Loop) for it in u.items if it.name.startswith("d_w")]
+    assert summed == [], summed
 
 
 # --- programs imported from another file ---------------------------------------------------------

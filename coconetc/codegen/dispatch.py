@@ -28,9 +28,8 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
         w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
     for b in _declaration_order(w.plan.buffers):
         declare(b)
-    into = [where for b in w.plan.buffers for where, held in (("an output's memory", reshape_into_output(w, b)),
-                                                               ("a row of a stacked gradient", _reshape_of_a_row(w, b)))
-            if held]
+    into = [where for b in w.plan.buffers for where in ("an output's memory" if reshape_into_output(w, b) else "",
+                                                         _reshape_of_a_place(w, b)) if where]
     if check is not None and into:
         w.emit("// every reshape's sizes checked first, in order: a reshape's source is computed in "
                + " or in ".join(dict.fromkeys(into)))
@@ -70,12 +69,15 @@ def reshape_into_output(w: Writer, b: Buffer) -> Library | None:
     return next(u for u in w.plan.units if isinstance(u, Library) and u.op == "reshape" and u.args[0] == b.name)
 
 
-def _reshape_of_a_row(w: Writer, b: Buffer) -> bool:
-    """A reshape held in its source's memory, the source made in a row of a stacked gradient
-    (plan/targets.py, assembled_stacks): a source larger than the reshape would run into the
-    next row, so the reshapes' sizes are checked before anything runs."""
+def _reshape_of_a_place(w: Writer, b: Buffer) -> str:
+    """For a reshape held in its source's memory, the source itself made in a place of another
+    buffer (plan/targets.py: a row of a stacked gradient, assembled_stacks; an accumulator,
+    accumulated_in_place), that place ("" otherwise): a source larger than the reshape would
+    run past it, so the reshapes' sizes are checked before anything runs."""
     src = w.buffers.get(b.same_as) if b.same_as and b.same_at is None else None
-    return src is not None and src.same_at is not None and not w.plan.is_index(src.name)
+    if src is None or not src.same_as or w.plan.is_index(src.name):
+        return ""
+    return "an accumulator's memory" if w.buffers[src.same_as].kind == "alias" else "a row of a stacked gradient"
 
 
 def declare(w: Writer, b: Buffer) -> bool:
@@ -87,9 +89,12 @@ def declare(w: Writer, b: Buffer) -> bool:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // reshaped into the output {b.same_as}: computed in its "
                "memory, no copy")
     elif b.same_as and b.same_at is not None:
-        what = "an index" if w.plan.is_index(b.name) else "a layer's gradient made in its row"
+        what = ("an index" if w.plan.is_index(b.name) else "the accumulator: its GEMM adds into it"
+                if w.buffers[b.same_as].kind == "alias" else "a layer's gradient made in its row")
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as} + {b.same_at} * {prod(w.ldims(b.type))};  "
                f"// row {b.same_at} of {b.same_as} ({what}): its memory, no copy")
+    elif b.same_as and w.buffers[b.same_as].kind == "alias":
+        w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // the accumulator {b.same_as}: its GEMM adds into it")
     elif b.same_as:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // a reshape of {b.same_as}: its memory, no copy")
     elif b.reuses:

@@ -72,8 +72,10 @@ def _buffer(plan: Plan, b: Buffer) -> str:
         where["scratch"] = "scratch in the group's shared window"
     none = f" (no memory on {', '.join(b.unallocated)}: the collective reads the segments)" if b.unallocated else ""
     if b.same_as:
-        what = (f"the memory of {b.same_as}: a reshape" if b.same_at is None else f"row {b.same_at} of {b.same_as}: an index"
-                if plan.is_index(b.name)
+        row = "" if b.same_at is None else f"row {b.same_at} of "
+        what = (f"{row}{b.same_as}, the accumulator its GEMM adds into" if plan.buffer(b.same_as).kind == "alias"
+                else f"the memory of {b.same_as}: a reshape" if b.same_at is None
+                else f"row {b.same_at} of {b.same_as}: an index" if plan.is_index(b.name)
                 else f"row {b.same_at} of {b.same_as}: a layer's gradient made in its row, not unindexed and summed")
         none += f" ({what}, no copy)"
     if b.reuses:
@@ -143,6 +145,9 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
         epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(plan, u)})"] if u.epilogue else []
         epi += [f"{ind}        {_grads(u.grads)}"] if u.grads else []
+        into = plan.buffer(u.dst).same_as
+        epi += [f"{ind}        adds into {into}, the accumulator (beta = 1; its update's loop left out)"] \
+            if u.accumulate else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {ops.shown(u.op)}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         wait = " (prefetched: waits for its start above)" if u.prefetched else ""

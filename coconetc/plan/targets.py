@@ -138,7 +138,7 @@ def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     plan = replace(plan, buffers=tuple(replace(b, same_as=views[b.name]) if b.name in views else
                                        replace(b, same_as=rows[b.name][0], same_at=rows[b.name][1])
                                        if b.name in rows else b for b in plan.buffers))
-    plan = assembled_stacks(plan)
+    plan = accumulated_in_place(assembled_stacks(plan))
     held = gathered_reuse(plan)
     plan = replace(plan, buffers=tuple(replace(b, reuses=held[b.name]) if b.name in held else b for b in plan.buffers))
     kinds = {b.name: b.kind for b in plan.buffers}
@@ -274,6 +274,116 @@ def _stack_sums(plan: Plan) -> tuple[dict[str, tuple[str, int]], set[str]]:
             gone.update(nodes)
             made.update({h: (root, i) for i, h in held.items() if h is not None})
     return made, gone
+
+
+def accumulated_in_place(plan: Plan) -> Plan:
+    """An accumulating backward's update of a weight's accumulator, `acc = acc + d_w`
+    (autodiff/saved.py accumulating), made by the weight gradient's GEMMs themselves: each
+    matmul_tn that makes d_w (or a row of it: a stacked weight's gradient, assembled_stacks;
+    or the source of a reshape that is d_w, held in its memory) adds its product into its place
+    in the accumulator (Library.accumulate: beta = 1, on every backend), and the update's loop
+    and the gradient's own memory are left out. Where: the loop computes only that sum, into
+    the accumulator's memory (the update's alias of a parameter), and no other unit touches the
+    accumulator, the update or d_w; each GEMM's result is private scratch that only its GEMM
+    writes and nothing else reads but a reshape held in its memory that nothing reads; no GEMM
+    carries an epilogue of its loop (plan/epilogue.py fuses the one-GEMM case on the CPU
+    already; a bias-gradient epilogue stays). In gpt_block's stack (examples/gpt_pipeline.ccn's
+    stage programs) the 6 weights' accumulations were a pass over each stacked accumulator (130
+    us for w_fc's 4 layers, H=256, F=1024, one thread)."""
+    bufs = {b.name: b for b in plan.buffers}
+    placed: dict[str, tuple[str, int | None]] = {}
+    gemms: set[int] = set()
+    drop: set[int] = set()
+    roots: set[str] = set()
+    for k in range(len(plan.units)):
+        found = _accumulator_update(plan, bufs, k)
+        if found is None:
+            continue
+        z, r, places = found
+        if any(bufs[g].type.dtype != bufs[z].type.dtype for g in places):
+            continue
+        drop.add(k)
+        for g, row in places.items():
+            placed[g] = (z, row)
+            gemms.add(next(i for i, v in enumerate(plan.units) if isinstance(v, Library) and v.dst == g))
+        if any(row is not None for row in places.values()):
+            roots.add(r)  # (a stacked gradient whose rows are now the accumulator's)
+    if not drop:
+        return plan
+    units: list[Unit] = []
+    new_index: dict[int, int] = {}
+    for i, u in enumerate(plan.units):
+        if i in drop:
+            continue
+        new_index[i] = len(units)
+        units.append(replace(u, accumulate=True) if i in gemms and isinstance(u, Library) else u)
+    buffers = tuple(replace(b, same_as=placed[b.name][0], same_at=placed[b.name][1]) if b.name in placed else b
+                    for b in plan.buffers if b.name not in roots)
+    attention = tuple(replace(a, members=tuple(new_index[m] for m in a.members)) for a in plan.attention)
+    return replace(plan, buffers=buffers, units=tuple(units), attention=attention)
+
+
+def _accumulator_update(plan: Plan, bufs: dict[str, Buffer],
+                        k: int) -> tuple[str, str, dict[str, int | None]] | None:
+    """For plan.units[k] an accumulator's update accumulated_in_place can leave to GEMMs: (the
+    update's buffer, d_w, each GEMM result -> its row of the update, None: the whole); else None."""
+    u = plan.units[k]
+    if not (isinstance(u, Loop) and len(u.items) == 1 and u.items[0].store and not u.colsums and not u.seg_dst
+            and not u.lets):
+        return None
+    z, e = u.items[0].name, u.items[0].expr
+    if not (isinstance(e, Op) and e.op == "add" and len(e.args) == 2 and all(isinstance(a, Ref) for a in e.args)):
+        return None
+    names = [a.name for a in e.args]  # type: ignore[union-attr]
+    zb = bufs[z]
+    if zb.kind != "alias" or zb.of not in names or names[0] == names[1]:
+        return None
+    acc, r = zb.of, names[1 - names.index(zb.of)]
+    rb = bufs.get(r)
+    if bufs[acc].kind != "param" or rb is None or rb.kind != "scratch" or not rb.private or rb.reuses \
+            or any(_touches(v, {acc, z}) for i, v in enumerate(plan.units) if i != k):
+        return None
+    touching = [v for i, v in enumerate(plan.units) if i != k and _touches(v, {r})]
+    rows = [b for b in plan.buffers if b.same_as == r and b.same_at is not None and not plan.is_index(b.name)]
+    if rows:  # d_w stacked, its rows made by the layers' GEMMs (assembled_stacks)
+        if touching or not isinstance(rb.type.shape[0], int) or sorted(b.same_at or 0 for b in rows) != list(
+                range(rb.type.shape[0])):
+            return None
+        places: dict[str, int | None] = {b.name: b.same_at for b in rows}
+    elif rb.same_at is None:  # d_w whole: a GEMM's result, or a reshape of one held in its memory
+        places = {rb.same_as if rb.same_as else r: None}
+        if rb.same_as and not (len(touching) == 1 and isinstance(touching[0], Library) and touching[0].op == "reshape"
+                               and touching[0].dst == r and touching[0].args[0] == rb.same_as):
+            return None
+    else:
+        return None
+    for g in places:
+        if not _adds_in_place(plan, bufs, g, k, allowed=r if rb.same_as and not rows else ""):
+            return None
+    return z, r, places
+
+
+def _adds_in_place(plan: Plan, bufs: dict[str, Buffer], g: str, update: int, allowed: str = "") -> bool:
+    """Whether G is a matmul_tn's result that the GEMM may add into its accumulator's memory: private
+    scratch written only by that GEMM (no epilogue of its loop), read by nothing but the update
+    (plan.units[UPDATE]) or a reshape held in its memory that nothing else reads (ALLOWED: such a
+    reshape that is the update's d_w itself)."""
+    b = bufs.get(g)
+    if b is None or b.kind != "scratch" or not b.private or b.reuses:
+        return False
+    writers = [v for v in plan.units if isinstance(v, Library) and v.dst == g]
+    if len(writers) != 1 or writers[0].op != "matmul_tn" or g in writers[0].args \
+            or (writers[0].epilogue is not None and writers[0].epilogue.kind != "bgrad"):
+        return False
+    for i, v in enumerate(plan.units):
+        if i == update or v is writers[0] or not _touches(v, {g}):
+            continue
+        view = bufs.get(v.dst) if isinstance(v, Library) and v.op == "reshape" and v.args == (g,) else None
+        if view is None or view.same_as != g or view.same_at is not None:
+            return False
+        if view.name != allowed and sum(_touches(x, {view.name}) for x in plan.units) != 1:
+            return False
+    return True
 
 
 def _made_in(plan: Plan, bufs: dict[str, Buffer], g: str, private: Callable[[str], bool]) -> str | None:

@@ -134,7 +134,9 @@ class Library:
     operation's settings (integer parameters: stride, padding, n, dim; layernorm's literal eps).
     epilogue: a matmul's fused consumer (plan/epilogue.py), or None;
     fused: the backends ("cpu", "cuda") whose code applies that epilogue in the GEMM (the loop
-    after it then renders as nothing); on the others the loop runs after the GEMM."""
+    after it then renders as nothing); on the others the loop runs after the GEMM.
+    accumulate: a matmul_tn that adds its product into dst (beta = 1) on every backend, dst a
+    place in a parameter an accumulating backward updates (plan/targets.py accumulated_in_place)."""
 
     dst: str
     op: str
@@ -144,6 +146,7 @@ class Library:
     epilogue: Epilogue | None = None
     fused: tuple[str, ...] = ()
     grads: LayernormGrads | None = None
+    accumulate: bool = False
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,10 @@ class CpuRenderer:
         ct = CTYPE[self.w.types[u.dst].dtype]
         if self._epilogue(u, ct):
             return
+        if u.accumulate:  # (grad.h: C += the product, C the accumulator's place)
+            self.w.emit(f"coconet::{u.op}_acc<{ct}>({', '.join(library_calls.call_args(self.w, u))});  "
+                        f"// added into {u.dst}'s place in the accumulator")
+            return
         if u.op == "sum_lead" and u.dst in self.colsums:
             self.w.emit(f"// {u.dst}: summed by the loop that computes {u.args[0]} (plan: column sums)")
             return

@@ -196,7 +196,8 @@ class CudaRenderer:
             return
         if u.op in library_calls.OPS:  # runtime.cuh, grad.cuh
             last = "stream" if ops.has(u.op, ops.GEMM) else "ctx"
-            self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))}, {last});")
+            op = f"{u.op}_acc" if u.accumulate else u.op  # (grad.cuh: C += the product, the accumulator's place)
+            self.w.emit(f"coconet::cuda::{op}<{ct}>({', '.join(library_calls.call_args(self.w, u))}, {last});")
             return
         assert u.op == "layernorm", u.op
         x = u.args[0]
@@ -228,7 +229,8 @@ class CudaRenderer:
         if u.epilogue.kind == "bgrad":  # C = A^T B, and the column sums of B into the sum_lead's value
             args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
             db = u.epilogue.value
-            self.w.emit(f"coconet::cuda::matmul_tn_bgrad<{ct}>({', '.join(args)}, v_{db}, ctx);  "
+            acc = ", true" if u.accumulate else ""  # (C += the product: the accumulator's place)
+            self.w.emit(f"coconet::cuda::matmul_tn_bgrad<{ct}>({', '.join(args)}, v_{db}, ctx{acc});  "
                         f"// {u.dst} = matmul_tn, then {u.epilogue}")
             return True
         loop = fused_loop(self.w.plan.units, u)

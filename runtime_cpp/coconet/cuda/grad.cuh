@@ -35,6 +35,12 @@ template <class T>
 void matmul_tn(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
   gemm_trans<T>(true, false, K, N, M, A, K, B, N, C, N, s);
 }
+// C[K, N] += A[M, K]^T x B[M, N]: a weight's gradient added into its accumulator in place (an
+// accumulating backward: plan/targets.py accumulated_in_place, Library.accumulate).
+template <class T>
+void matmul_tn_acc(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
+  gemm_trans<T>(true, false, K, N, M, A, K, B, N, C, N, s, true);
+}
 
 // Sums over a middle dim: out[o, j] = sum over m of x[o, m, j] (x: outer x mid x inner). One block
 // of kColTile x kRowLanes threads a tile of kColTile adjacent columns of one o: lane (r, t) adds rows
@@ -266,9 +272,11 @@ void conv2d_dw(const T* x, const T* g, T* dw, int64_t N, int64_t C, int64_t H, i
 // (op T), its k is M, and CUBLASLT_EPILOGUE_BGRADA sums its A over k: one value per row of its D,
 // N of them, the column sums of the row-major B. Where cuBLASLt has no such GEMM (a status other
 // than success: the BGRAD epilogues are not offered for every type and transpose), or a size is 0,
-// matmul_tn then sum_lead, the unfused pair.
+// matmul_tn then sum_lead, the unfused pair. accumulate: C += the product (beta = 1; db written
+// whole): a weight's gradient added into its accumulator (Library.accumulate).
 template <class T>
-void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, T* db, const Ctx& c) {
+void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, T* db, const Ctx& c,
+                     bool accumulate = false) {
   static_assert(!std::is_same<T, double>::value, "matmul_tn_bgrad: f32, f16 or bf16 (plan/epilogue.py)");
   cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
   if (M > 0 && K > 0 && N > 0) {
@@ -284,7 +292,7 @@ void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t
     COCONET_CUDA(cublasLtMatrixLayoutCreate(&la, t, uint64_t(N), uint64_t(M), int64_t(N)));
     COCONET_CUDA(cublasLtMatrixLayoutCreate(&lb, t, uint64_t(K), uint64_t(M), int64_t(K)));
     COCONET_CUDA(cublasLtMatrixLayoutCreate(&ld, t, uint64_t(N), uint64_t(K), int64_t(N)));
-    const float alpha = 1.0f, beta = 0.0f;
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     st = cublasLtMatmul(blas_lt(), op, &alpha, B, la, A, lb, &beta, C, ld, C, ld, nullptr, lt_workspace(), kLtWorkspace,
                         c.stream);
     COCONET_CUDA(cublasLtMatrixLayoutDestroy(ld));
@@ -294,7 +302,10 @@ void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t
   }
   if (st != CUBLAS_STATUS_SUCCESS) {
     sum_lead<T>(B, db, M, N, c);
-    matmul_tn<T>(A, B, C, M, K, N, c.stream);
+    if (accumulate)
+      matmul_tn_acc<T>(A, B, C, M, K, N, c.stream);
+    else
+      matmul_tn<T>(A, B, C, M, K, N, c.stream);
   }
 }
 
