@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(PY) bench/tp_mlp.py --dtype bf16
 	$(PY) bench/gpt_block.py --sdpa
 	$(PY) bench/pipeline.py --json bench/results/pipeline_f32.json
+	$(PY) bench/stage_program.py --json bench/results/stage_program.json
 	$(PY) bench/attention_cpu.py
 	$(PY) bench/call_overhead.py
 	$(PY) bench/warm_load.py
