@@ -110,9 +110,10 @@ class Stage:
         for name, fn in (("blocks", self.per_block), ("program", self.one_program), ("torch", self.torch_eager)):
             self.clear()
             fn(False)
+            ref_grads = [block_parameters_grads(r) for r in self.refs] if name == "torch" else []
             grads[name] = {k: (torch.stack([lay.params[k].grad for lay in self.blocks]) if name == "blocks" else
                                self.stage.params[k].grad if name == "program" else
-                               torch.stack([block_parameters_grad(r, k) for r in self.refs])) for k in self.names}
+                               torch.stack([g[k] for g in ref_grads])) for k in self.names}
         return max(float((grads[s][k] - grads["torch"][k]).abs().max() / grads["torch"][k].abs().max().clamp_min(1e-30))
                    for s in ("blocks", "program") for k in self.names)
 
@@ -157,16 +158,16 @@ def main() -> int:
     return 0
 
 
-def block_parameters_grad(ref, name: str):
+def block_parameters_grads(ref) -> dict:
     """nanoGPT Block REF's gradients laid out as block_parameters lays out its weights (the map
-    is linear: transposes, splits by heads), parameter NAME's."""
+    is linear: transposes, splits by heads), by parameter name."""
     import copy
 
     from coconetc.torch.gpt import block_parameters
     shadow = copy.deepcopy(ref)
     for (_, p), (_, q) in zip(shadow.named_parameters(), ref.named_parameters()):
         p.data = q.grad.detach().clone()
-    return block_parameters(shadow, NH)[name]
+    return block_parameters(shadow, NH)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,10 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
         w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
     for b in _declaration_order(w.plan.buffers):
         declare(b)
-    into = [where for b in w.plan.buffers for where in ("an output's memory" if reshape_into_output(w, b) else "",
-                                                         _reshape_of_a_place(w, b)) if where]
+    into = dict.fromkeys(where for b in w.plan.buffers if (where := _reshape_held_in(w, b)))
     if check is not None and into:
         w.emit("// every reshape's sizes checked first, in order: a reshape's source is computed in "
-               + " or in ".join(dict.fromkeys(into)))
+               + " or in ".join(into))
         for u in w.plan.units:
             if isinstance(u, Library) and u.op == "reshape":
                 check(u)
@@ -69,11 +68,15 @@ def reshape_into_output(w: Writer, b: Buffer) -> Library | None:
     return next(u for u in w.plan.units if isinstance(u, Library) and u.op == "reshape" and u.args[0] == b.name)
 
 
-def _reshape_of_a_place(w: Writer, b: Buffer) -> str:
-    """For a reshape held in its source's memory, the source itself made in a place of another
-    buffer (plan/targets.py: a row of a stacked gradient, assembled_stacks; an accumulator,
-    accumulated_in_place), that place ("" otherwise): a source larger than the reshape would
-    run past it, so the reshapes' sizes are checked before anything runs."""
+def _reshape_held_in(w: Writer, b: Buffer) -> str:
+    """Where B's memory lies when a reshape's source is computed in a place a reshape's size
+    check must come before ("" otherwise): an output's (B a returned reshape's source:
+    reshape_into_output), or, for B a reshape held in its source's memory, the place of another
+    buffer that source is made in (plan/targets.py: a row of a stacked gradient,
+    assembled_stacks; an accumulator, accumulated_in_place). A source larger than the reshape
+    would run past it, so every reshape's sizes are checked before anything runs."""
+    if reshape_into_output(w, b) is not None:
+        return "an output's memory"
     src = w.buffers.get(b.same_as) if b.same_as and b.same_at is None else None
     if src is None or not src.same_as or w.plan.is_index(src.name):
         return ""

@@ -145,9 +145,8 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
         epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(plan, u)})"] if u.epilogue else []
         epi += [f"{ind}        {_grads(u.grads)}"] if u.grads else []
-        into = plan.buffer(u.dst).same_as
-        epi += [f"{ind}        adds into {into}, the accumulator (beta = 1; its update's loop left out)"] \
-            if u.accumulate else []
+        epi += [f"{ind}        adds into {plan.buffer(u.dst).same_as}, the accumulator (beta = 1; its update's "
+                "loop left out)"] if u.accumulate else []  # (the buffer looked up for such a GEMM only)
         return [f"{ind}{_at(u.line)} library {u.dst} = {ops.shown(u.op)}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         wait = " (prefetched: waits for its start above)" if u.prefetched else ""

@@ -211,21 +211,30 @@ def assembled_stacks(plan: Plan) -> Plan:
     made, gone = _stack_sums(plan)
     if not made:
         return plan
-    units: list[Unit] = []
-    new_index: dict[int, int] = {}
-    for i, u in enumerate(plan.units):
+
+    def kept(_: int, u: Unit) -> Unit | None:
         if isinstance(u, Library) and u.dst in gone:
-            continue
+            return None
         if isinstance(u, Loop) and any(it.name in gone for it in u.items):
             items = tuple(it for it in u.items if it.name not in gone)
-            if not items:
-                continue
-            u = replace(u, items=items)
-        new_index[i] = len(units)
-        units.append(u)
+            return replace(u, items=items) if items else None
+        return u
     roots = {r for r, _ in made.values()}
     buffers = tuple(replace(b, same_as=made[b.name][0], same_at=made[b.name][1]) if b.name in made else b
                     for b in plan.buffers if b.name not in gone or b.name in roots)
+    return _with_units(plan, kept, buffers)
+
+
+def _with_units(plan: Plan, kept: Callable[[int, Unit], Unit | None], buffers: tuple[Buffer, ...]) -> Plan:
+    """PLAN with BUFFERS and each unit as KEPT(index, unit) gives it (None: left out), the
+    attention calls' members (unit indexes) following their units."""
+    units: list[Unit] = []
+    new_index: dict[int, int] = {}
+    for i, u in enumerate(plan.units):
+        v = kept(i, u)
+        if v is not None:
+            new_index[i] = len(units)
+            units.append(v)
     attention = tuple(replace(a, members=tuple(new_index[m] for m in a.members)) for a in plan.attention)
     return replace(plan, buffers=buffers, units=tuple(units), attention=attention)
 
@@ -303,30 +312,26 @@ def accumulated_in_place(plan: Plan) -> Plan:
         if any(bufs[g].type.dtype != bufs[z].type.dtype for g in places):
             continue
         drop.add(k)
-        for g, row in places.items():
+        for g, (row, gemm) in places.items():
             placed[g] = (z, row)
-            gemms.add(next(i for i, v in enumerate(plan.units) if isinstance(v, Library) and v.dst == g))
-        if any(row is not None for row in places.values()):
+            gemms.add(gemm)
+        if any(row is not None for row, _ in places.values()):
             roots.add(r)  # (a stacked gradient whose rows are now the accumulator's)
     if not drop:
         return plan
-    units: list[Unit] = []
-    new_index: dict[int, int] = {}
-    for i, u in enumerate(plan.units):
-        if i in drop:
-            continue
-        new_index[i] = len(units)
-        units.append(replace(u, accumulate=True) if i in gemms and isinstance(u, Library) else u)
+
+    def kept(i: int, u: Unit) -> Unit | None:
+        return None if i in drop else replace(u, accumulate=True) if i in gemms and isinstance(u, Library) else u
     buffers = tuple(replace(b, same_as=placed[b.name][0], same_at=placed[b.name][1]) if b.name in placed else b
                     for b in plan.buffers if b.name not in roots)
-    attention = tuple(replace(a, members=tuple(new_index[m] for m in a.members)) for a in plan.attention)
-    return replace(plan, buffers=buffers, units=tuple(units), attention=attention)
+    return _with_units(plan, kept, buffers)
 
 
 def _accumulator_update(plan: Plan, bufs: dict[str, Buffer],
-                        k: int) -> tuple[str, str, dict[str, int | None]] | None:
+                        k: int) -> tuple[str, str, dict[str, tuple[int | None, int]]] | None:
     """For plan.units[k] an accumulator's update accumulated_in_place can leave to GEMMs: (the
-    update's buffer, d_w, each GEMM result -> its row of the update, None: the whole); else None."""
+    update's buffer, d_w, each GEMM result -> (its row of the update, None: the whole; the
+    GEMM's unit index)); else None."""
     u = plan.units[k]
     if not (isinstance(u, Loop) and len(u.items) == 1 and u.items[0].store and not u.colsums and not u.seg_dst
             and not u.lets):
@@ -345,45 +350,62 @@ def _accumulator_update(plan: Plan, bufs: dict[str, Buffer],
         return None
     touching = [v for i, v in enumerate(plan.units) if i != k and _touches(v, {r})]
     rows = [b for b in plan.buffers if b.same_as == r and b.same_at is not None and not plan.is_index(b.name)]
+    view = ""
     if rows:  # d_w stacked, its rows made by the layers' GEMMs (assembled_stacks)
         if touching or not isinstance(rb.type.shape[0], int) or sorted(b.same_at or 0 for b in rows) != list(
                 range(rb.type.shape[0])):
             return None
-        places: dict[str, int | None] = {b.name: b.same_at for b in rows}
-    elif rb.same_at is None:  # d_w whole: a GEMM's result, or a reshape of one held in its memory
-        places = {rb.same_as if rb.same_as else r: None}
-        if rb.same_as and not (len(touching) == 1 and isinstance(touching[0], Library) and touching[0].op == "reshape"
-                               and touching[0].dst == r and touching[0].args[0] == rb.same_as):
+        wanted: dict[str, int | None] = {b.name: b.same_at for b in rows}
+    elif rb.same_as:  # d_w whole, a reshape held in a GEMM's result's memory: the reshape touches it only
+        src = _reshape_source(plan, bufs, r)
+        if not src or len(touching) != 1:
             return None
+        wanted, view = {src: None}, r
+    elif rb.same_at is None:  # d_w whole: a GEMM's result
+        wanted = {r: None}
     else:
         return None
-    for g in places:
-        if not _adds_in_place(plan, bufs, g, k, allowed=r if rb.same_as and not rows else ""):
+    places: dict[str, tuple[int | None, int]] = {}
+    for g, row in wanted.items():
+        gemm = _adding_gemm(plan, bufs, g, k, allowed=view)
+        if gemm is None:
             return None
+        places[g] = (row, gemm)
     return z, r, places
 
 
-def _adds_in_place(plan: Plan, bufs: dict[str, Buffer], g: str, update: int, allowed: str = "") -> bool:
-    """Whether G is a matmul_tn's result that the GEMM may add into its accumulator's memory: private
-    scratch written only by that GEMM (no epilogue of its loop), read by nothing but the update
-    (plan.units[UPDATE]) or a reshape held in its memory that nothing else reads (ALLOWED: such a
-    reshape that is the update's d_w itself)."""
+def _adding_gemm(plan: Plan, bufs: dict[str, Buffer], g: str, update: int, allowed: str = "") -> int | None:
+    """The unit index of the matmul_tn whose result G is, where that GEMM may add into its
+    accumulator's memory instead: G private scratch written only by that GEMM (no epilogue of
+    its loop), read by nothing but the update (plan.units[UPDATE]) or a reshape held in its
+    memory that nothing else reads (ALLOWED: such a reshape that is the update's d_w itself);
+    None otherwise."""
     b = bufs.get(g)
     if b is None or b.kind != "scratch" or not b.private or b.reuses:
-        return False
-    writers = [v for v in plan.units if isinstance(v, Library) and v.dst == g]
-    if len(writers) != 1 or writers[0].op != "matmul_tn" or g in writers[0].args \
-            or (writers[0].epilogue is not None and writers[0].epilogue.kind != "bgrad"):
-        return False
+        return None
+    writers = [i for i, v in enumerate(plan.units) if isinstance(v, Library) and v.dst == g]
+    gemm = plan.units[writers[0]] if len(writers) == 1 else None
+    if not isinstance(gemm, Library) or gemm.op != "matmul_tn" or g in gemm.args \
+            or (gemm.epilogue is not None and gemm.epilogue.kind != "bgrad"):
+        return None
     for i, v in enumerate(plan.units):
-        if i == update or v is writers[0] or not _touches(v, {g}):
+        if i in (update, writers[0]) or not _touches(v, {g}):
             continue
-        view = bufs.get(v.dst) if isinstance(v, Library) and v.op == "reshape" and v.args == (g,) else None
-        if view is None or view.same_as != g or view.same_at is not None:
-            return False
-        if view.name != allowed and sum(_touches(x, {view.name}) for x in plan.units) != 1:
-            return False
-    return True
+        view = v.dst if isinstance(v, Library) and v.op == "reshape" and _reshape_source(plan, bufs, v.dst) == g else ""
+        if not view or view != allowed and sum(_touches(x, {view}) for x in plan.units) != 1:
+            return None
+    return writers[0]
+
+
+def _reshape_source(plan: Plan, bufs: dict[str, Buffer], name: str) -> str:
+    """The value NAME is a reshape of, held in its memory (Buffer.same_as, no row: _reshape_views),
+    where a reshape unit makes NAME from it; "" otherwise."""
+    b = bufs.get(name)
+    if b is None or not b.same_as or b.same_at is not None or b.reuses:
+        return ""
+    made = any(isinstance(u, Library) and u.op == "reshape" and u.dst == name and u.args == (b.same_as,)
+               for u in plan.units)
+    return b.same_as if made else ""
 
 
 def _made_in(plan: Plan, bufs: dict[str, Buffer], g: str, private: Callable[[str], bool]) -> str | None:
@@ -394,16 +416,12 @@ def _made_in(plan: Plan, bufs: dict[str, Buffer], g: str, private: Callable[[str
     sizes are checked before the function runs anything: codegen/dispatch.py.)"""
     if private(g):
         return g
-    b = bufs.get(g)
-    if b is None:
+    src = _reshape_source(plan, bufs, g)
+    b = bufs[g] if src else None
+    if b is None or b.kind != "scratch" or not b.private or sum(_touches(u, {g}) for u in plan.units) != 2 \
+            or not private(src):
         return None
-    src = bufs.get(b.same_as) if b.same_as and b.same_at is None and not b.reuses else None
-    if src is None or b.kind != "scratch" or not b.private \
-            or sum(_touches(u, {g}) for u in plan.units) != 2 or not private(src.name) \
-            or not any(isinstance(u, Library) and u.op == "reshape" and u.dst == g and u.args[0] == src.name
-                       for u in plan.units):
-        return None
-    return src.name
+    return src
 
 
 def gathered_lives(plan: Plan) -> dict[str, tuple[int, int]]:
