@@ -47,13 +47,14 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
 
 def _declaration_order(buffers) -> list[Buffer]:
     """The buffers in plan order, except that one held in another's memory (Buffer.same_as,
-    Buffer.reuses) comes after that one (a reshape's source held in the output it is reshaped into)."""
+    Buffer.reuses, Buffer.one_rank_as) comes after that one (a reshape's source held in the output it is
+    reshaped into)."""
     out: list[Buffer] = []
     done: set[str] = set()
     waiting = list(buffers)
     while waiting:
         b = next(x for x in waiting if all(not o or o in done or o not in {y.name for y in waiting}
-                                           for o in (x.same_as, x.reuses)))
+                                           for o in (x.same_as, x.reuses, x.one_rank_as)))
         waiting.remove(b)
         out.append(b)
         done.add(b.name)

@@ -172,6 +172,9 @@ class CpuRenderer:
             n = _prod(self.w.ldims(b.type))
             if b.shared:
                 self.w.emit(f"{ct}* const v_{b.name} = coconet::shared_scratch<{ct}, {self.w.nsite}>(comm, {n});")
+            elif b.one_rank_as:
+                self.w.emit(f"{ct}* const v_{b.name} = comm.size == 1 ? v_{b.one_rank_as} : coconet::scratch<{ct}, "
+                            f"{self.w.nsite}>({n});  // one rank: the all-reduce's source, nothing copied")
             else:
                 self.w.emit(f"{ct}* const v_{b.name} = coconet::scratch<{ct}, {self.w.nsite}>({n});")
 

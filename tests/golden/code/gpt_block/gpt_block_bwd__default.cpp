@@ -62,7 +62,7 @@ void gpt_block_bwd__default(const coconet::CallArgs& a) {
   float* const v_d_b_fc = a.output<float>(13);
   float* const v_g_n2_part = coconet::shared_scratch<float, 4>(comm, S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_n2 = coconet::scratch<float, 5>(S_B * S_S * S_H);
+  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::scratch<float, 5>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
   float* const v_t0_g_x1 = coconet::scratch<float, 6>(S_B * S_S * S_H);
   float* const v_g_x1 = coconet::scratch<float, 7>(S_B * S_S * S_H);
   float* const v_d_ln2_w = a.output<float>(10);
@@ -107,7 +107,7 @@ void gpt_block_bwd__default(const coconet::CallArgs& a) {
   float* const v_g_n1_part4 = coconet::shared_scratch<float, 20>(comm, S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::scratch<float, 21>(S_B * S_S * S_H);
+  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::scratch<float, 21>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
   float* const v_t6_d_x = coconet::scratch<float, 22>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);
@@ -274,6 +274,7 @@ void gpt_block_bwd__default(const coconet::CallArgs& a) {
   trace_13.end();
   coconet::trace::Unit trace_14(14);
   // [default] allreduce g_n2 (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, comm);
   trace_14.end();
   coconet::trace::Unit trace_15(15);
@@ -509,6 +510,7 @@ void gpt_block_bwd__default(const coconet::CallArgs& a) {
   trace_58.end();
   coconet::trace::Unit trace_59(59);
   // [default] allreduce g_n1 (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   trace_59.end();
   coconet::trace::Unit trace_60(60);

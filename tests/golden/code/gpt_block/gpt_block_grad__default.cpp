@@ -65,7 +65,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::shared_scratch<float, 15>(comm, S_B * S_S * S_H);
-  float* const v_at = coconet::scratch<float, 16>(S_B * S_S * S_H);
+  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 16>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
   float* const v_x1 = coconet::scratch<float, 17>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_hm = coconet::scratch<float, 19>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -79,7 +79,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_d_b_fc = a.output<float>(13);
   float* const v_g_n2_part = coconet::shared_scratch<float, 25>(comm, S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_n2 = coconet::scratch<float, 26>(S_B * S_S * S_H);
+  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::scratch<float, 26>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
   float* const v_t0_g_x1 = coconet::scratch<float, 27>(S_B * S_S * S_H);
   float* const v_g_x1 = coconet::scratch<float, 28>(S_B * S_S * S_H);
   float* const v_d_ln2_w = a.output<float>(10);
@@ -124,7 +124,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_g_n1_part4 = coconet::shared_scratch<float, 41>(comm, S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::scratch<float, 42>(S_B * S_S * S_H);
+  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::scratch<float, 42>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
   float* const v_t6_d_x = coconet::scratch<float, 43>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);
@@ -305,6 +305,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   trace_26.end();
   coconet::trace::Unit trace_27(27);
   // [default] allreduce at (gpt_block.ccn:48)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_ap, v_at, S_B * S_S * S_H, comm);
   trace_27.end();
   coconet::trace::Unit trace_28(28);
@@ -536,6 +537,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   trace_39.end();
   coconet::trace::Unit trace_40(40);
   // [default] allreduce g_n2 (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, comm);
   trace_40.end();
   coconet::trace::Unit trace_41(41);
@@ -771,6 +773,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   trace_84.end();
   coconet::trace::Unit trace_85(85);
   // [default] allreduce g_n1 (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   trace_85.end();
   coconet::trace::Unit trace_86(86);
