@@ -265,9 +265,10 @@ def test_a_reshape_is_held_in_its_sources_memory_where_nothing_else_can_write_it
 
 def test_an_allreduce_is_its_sources_memory_at_one_rank_where_no_unit_writes_either_after_it() -> None:
     """Buffer.one_rank_as (targets.one_rank_results): on the CPU at one rank an all-reduce of a
-    scratch value into scratch is its source's memory, and the call copies nothing; not one of a
-    parameter, nor one into an output. (Compiled, every example runs on one rank against the
-    interpreter in test_cpu_backend.py: gpt_block's and tp_mlp's all-reduces are such.)"""
+    scratch value is one memory with its result, and the call copies nothing: a scratch result
+    is its source's memory, an output holds its source; not an all-reduce of a parameter.
+    (Compiled, every example runs on one rank against the interpreter in test_cpu_backend.py:
+    gpt_block's and tp_mlp's all-reduces are such.)"""
     text = """program p(x: f32[N] replicated, y: f32[N] replicated) {
     a = x * 2.0
     s = allreduce(sum, a)
@@ -279,9 +280,10 @@ def test_an_allreduce_is_its_sources_memory_at_one_rank_where_no_unit_writes_eit
 }
 """
     plan = plan_program(load_source(text, "p.ccn").programs["p"])
-    assert {b.name: b.one_rank_as for b in plan.buffers if b.one_rank_as} == {"s": "a"}
+    assert {b.name: b.one_rank_as for b in plan.buffers if b.one_rank_as} == {"s": "a", "r": "o"}
     assert "(on the CPU at one rank: a's memory, the all-reduce copies nothing)" in show(plan)
     from coconetc.codegen.cpu import generate as cpu_generate
     code = cpu_generate(load_source(text, "p.ccn"), "m").cpp
     assert "float* const v_s = comm.size == 1 ? v_a : coconet::scratch<float," in code
-    assert code.count("if (comm.size > 1)  // one rank: the result is the source") == 1
+    assert "float* const v_r = comm.size == 1 ? v_o : coconet::shared_scratch<float," in code
+    assert code.count("if (comm.size > 1)  // one rank: the result is the source") == 2

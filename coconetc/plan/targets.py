@@ -477,15 +477,17 @@ def gathered_reuse(plan: Plan) -> dict[str, str]:
 
 
 def one_rank_results(plan: Plan) -> dict[str, str]:
-    """The all-reduces whose result can be its source's memory where the group is one rank
-    (Buffer.one_rank_as: result -> source; the CPU, which then copies nothing: an all-reduce
-    over one rank is its source, and MPI's copies it when the result has memory of its own, 0.1
-    ms a layer of the GPT block at a micro-batch of 2 x 128 tokens, four times a forward and
-    backward at tensor parallelism 1, as in a pipeline stage of one rank). Where: a top-level
-    all-reduce of a whole (not sliced) scratch value into private scratch of its type that no
-    other unit writes, whose source no later unit writes, neither of them sharing memory with
-    another value (same_as, reuses). So from the all-reduce on both are read only, and the one
-    memory holds the same values as the two would."""
+    """The all-reduces whose result and source can be one memory where the group is one rank
+    (Buffer.one_rank_as: the value -> the one whose memory it is there; the CPU, which then
+    skips the call: an all-reduce over one rank is its source, and MPI's copies it where the
+    result has memory of its own, 0.1 ms a layer of the GPT block at a micro-batch of 2 x 128
+    tokens, four times a forward and backward at tensor parallelism 1, as in a pipeline stage of
+    one rank). Where: a top-level all-reduce of a whole (not sliced) scratch value of the
+    result's type, whose result no other unit writes and whose source no later unit writes,
+    neither sharing memory with another value (same_as, reuses); a result that is private
+    scratch is held in the source's memory, an output holds the source (a backward's input
+    gradient kept for its weight gradient). So from the all-reduce on both are read only, and
+    the one memory holds the values the two would."""
     bufs = {b.name: b for b in plan.buffers}
     lent = {n for b in plan.buffers if b.same_as or b.reuses for n in (b.name, b.same_as, b.reuses)}
     out: dict[str, str] = {}
@@ -493,14 +495,17 @@ def one_rank_results(plan: Plan) -> dict[str, str]:
         if not (isinstance(u, Collective) and u.op == "allreduce" and not u.into and not u.packed):
             continue
         dst, src = bufs[u.dst], bufs[u.src]
-        if dst.kind != "scratch" or not dst.private or src.kind != "scratch" or src.unallocated \
-                or {dst.name, src.name} & lent or dst.type.dtype != src.type.dtype \
+        if not ((dst.kind == "scratch" and dst.private) or dst.kind == "output") or src.kind != "scratch" \
+                or src.unallocated or {dst.name, src.name} & lent or dst.type.dtype != src.type.dtype \
                 or dst.type.shape != src.type.shape or dst.type.layout.sliced or src.type.layout.sliced:
             continue
         if any(_may_write(x, dst.name) for j, x in enumerate(plan.units) if j != i) \
                 or any(_may_write(x, src.name) for x in plan.units[i + 1:]):
             continue
-        out[dst.name] = src.name
+        if dst.kind == "output":
+            out[src.name] = dst.name
+        else:
+            out[dst.name] = src.name
     return out
 
 

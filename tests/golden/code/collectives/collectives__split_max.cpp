@@ -33,8 +33,8 @@ void collectives__split_max(const coconet::CallArgs& a) {
   double* const v_g = a.output<double>(5);
   int32_t* const v_h = a.output<int32_t>(6);
   coconet::bfloat16* const v_p = a.output<coconet::bfloat16>(7);
-  float* const v_t3_q = coconet::shared_scratch<float, 6>(comm, S_N);
   float* const v_q = a.output<float>(8);
+  float* const v_t3_q = comm.size == 1 ? v_q : coconet::shared_scratch<float, 6>(comm, S_N);  // one rank: q's memory, the all-reduce copies nothing
   coconet::trace::Unit trace_0(0);
   coconet::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
   trace_0.end();
@@ -166,6 +166,7 @@ void collectives__split_max(const coconet::CallArgs& a) {
   trace_16.end();
   coconet::trace::Unit trace_17(17);
   // [split_max] allreduce q (collectives.ccn:13)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::prod, v_t3_q, v_q, S_N, comm);
   trace_17.end();
 }

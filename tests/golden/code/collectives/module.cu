@@ -52,10 +52,10 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_N) * sizeof(*v_h), "h", stream);
   coconet::bfloat16* const v_p = a.output<coconet::bfloat16>(7);
   COCONET_PARAM(v_p, size_t(S_N) * sizeof(*v_p), "p", stream);
-  float* const v_t3_q = coconet::cuda::scratch<float>(5, S_N);
-  COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   float* const v_q = a.output<float>(8);
   COCONET_PARAM(v_q, size_t(S_N) * sizeof(*v_q), "q", stream);
+  float* const v_t3_q = coconet::cuda::scratch<float>(5, S_N);
+  COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   coconet::cuda::trace::Unit trace_0(0, stream);
   coconet::cuda::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
   trace_0.end();
@@ -237,10 +237,10 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_N) * sizeof(*v_h), "h", stream);
   coconet::bfloat16* const v_p = a.output<coconet::bfloat16>(7);
   COCONET_PARAM(v_p, size_t(S_N) * sizeof(*v_p), "p", stream);
-  float* const v_t3_q = coconet::cuda::scratch<float>(6, S_N);
-  COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   float* const v_q = a.output<float>(8);
   COCONET_PARAM(v_q, size_t(S_N) * sizeof(*v_q), "q", stream);
+  float* const v_t3_q = coconet::cuda::scratch<float>(6, S_N);
+  COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   coconet::cuda::trace::Unit trace_0(0, stream);
   coconet::cuda::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
   trace_0.end();

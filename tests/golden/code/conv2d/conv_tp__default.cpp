@@ -20,7 +20,7 @@ void conv_tp__default(const coconet::CallArgs& a) {
   float* const v_x = a.tensor<float>(0);
   float* const v_k = a.tensor<float>(1);
   float* const v_part = coconet::shared_scratch<float, 1>(comm, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
-  float* const v_y = comm.size == 1 ? v_part : coconet::scratch<float, 2>(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));  // one rank: the all-reduce's source, nothing copied
+  float* const v_y = comm.size == 1 ? v_part : coconet::scratch<float, 2>(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));  // one rank: part's memory, the all-reduce copies nothing
   float* const v_out = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [default] conv2d part (conv2d.ccn:15)

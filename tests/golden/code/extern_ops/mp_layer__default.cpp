@@ -21,7 +21,7 @@ void mp_layer__default(const coconet::CallArgs& a) {
   float* const v_g = a.tensor<float>(2);
   float* const v_r = a.tensor<float>(3);
   float* const v_y = coconet::shared_scratch<float, 1>(comm, S_B * S_H);
-  float* const v_s = comm.size == 1 ? v_y : coconet::scratch<float, 2>(S_B * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_s = comm.size == 1 ? v_y : coconet::scratch<float, 2>(S_B * S_H);  // one rank: y's memory, the all-reduce copies nothing
   float* const v_t0_h = coconet::scratch<float, 3>(S_B * S_H);
   float* const v_h = a.output<float>(0);
   coconet::trace::Unit trace_0(0);

@@ -65,13 +65,13 @@ void gpt_block__default(const coconet::CallArgs& a) {
   float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::shared_scratch<float, 12>(comm, S_B * S_S * S_H);
-  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 13>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 13>(S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   float* const v_x1 = coconet::scratch<float, 14>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 15>(S_B * S_S * S_H);
   float* const v_hm = coconet::scratch<float, 16>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_mp = coconet::shared_scratch<float, 18>(comm, S_B * S_S * S_H);
-  float* const v_mt = comm.size == 1 ? v_mp : coconet::scratch<float, 19>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_mt = comm.size == 1 ? v_mp : coconet::scratch<float, 19>(S_B * S_S * S_H);  // one rank: mp's memory, the all-reduce copies nothing
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [default] layernorm n1 (gpt_block.ccn:36)

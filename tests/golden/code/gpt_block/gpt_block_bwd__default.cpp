@@ -62,7 +62,7 @@ void gpt_block_bwd__default(const coconet::CallArgs& a) {
   float* const v_d_b_fc = a.output<float>(13);
   float* const v_g_n2_part = coconet::shared_scratch<float, 4>(comm, S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::scratch<float, 5>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::scratch<float, 5>(S_B * S_S * S_H);  // one rank: g_n2_part's memory, the all-reduce copies nothing
   float* const v_t0_g_x1 = coconet::scratch<float, 6>(S_B * S_S * S_H);
   float* const v_g_x1 = coconet::scratch<float, 7>(S_B * S_S * S_H);
   float* const v_d_ln2_w = a.output<float>(10);
@@ -107,7 +107,7 @@ void gpt_block_bwd__default(const coconet::CallArgs& a) {
   float* const v_g_n1_part4 = coconet::shared_scratch<float, 20>(comm, S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::scratch<float, 21>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::scratch<float, 21>(S_B * S_S * S_H);  // one rank: g_n1_part4's memory, the all-reduce copies nothing
   float* const v_t6_d_x = coconet::scratch<float, 22>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);

@@ -65,13 +65,13 @@ void gpt_block_fwd__default(const coconet::CallArgs& a) {
   float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::shared_scratch<float, 7>(comm, S_B * S_S * S_H);
-  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 8>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 8>(S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   float* const v_x1 = a.output<float>(7);
   float* const v_n2 = a.output<float>(8);
   float* const v_hm = a.output<float>(9);
   float* const v_h = a.output<float>(10);
   float* const v_mp = coconet::shared_scratch<float, 9>(comm, S_B * S_S * S_H);
-  float* const v_mt = comm.size == 1 ? v_mp : coconet::scratch<float, 10>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_mt = comm.size == 1 ? v_mp : coconet::scratch<float, 10>(S_B * S_S * S_H);  // one rank: mp's memory, the all-reduce copies nothing
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");  // t0_q's check

@@ -65,7 +65,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::shared_scratch<float, 15>(comm, S_B * S_S * S_H);
-  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 16>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 16>(S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   float* const v_x1 = coconet::scratch<float, 17>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_hm = coconet::scratch<float, 19>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -79,7 +79,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_d_b_fc = a.output<float>(13);
   float* const v_g_n2_part = coconet::shared_scratch<float, 25>(comm, S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::scratch<float, 26>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::scratch<float, 26>(S_B * S_S * S_H);  // one rank: g_n2_part's memory, the all-reduce copies nothing
   float* const v_t0_g_x1 = coconet::scratch<float, 27>(S_B * S_S * S_H);
   float* const v_g_x1 = coconet::scratch<float, 28>(S_B * S_S * S_H);
   float* const v_d_ln2_w = a.output<float>(10);
@@ -124,7 +124,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   float* const v_g_n1_part4 = coconet::shared_scratch<float, 41>(comm, S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::scratch<float, 42>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::scratch<float, 42>(S_B * S_S * S_H);  // one rank: g_n1_part4's memory, the all-reduce copies nothing
   float* const v_t6_d_x = coconet::scratch<float, 43>(S_B * S_S * S_H);
   float* const v_d_x = a.output<float>(0);
   float* const v_d_ln1_w = a.output<float>(1);

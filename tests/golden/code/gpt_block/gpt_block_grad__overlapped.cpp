@@ -65,7 +65,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::shared_scratch<float, 15>(comm, S_B * S_S * S_H);
-  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 16>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_at = comm.size == 1 ? v_ap : coconet::scratch<float, 16>(S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   float* const v_x1 = coconet::scratch<float, 17>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_hm = coconet::scratch<float, 19>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());

@@ -55,67 +55,67 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   float* const v_a = nullptr;  // inside the attention call only: no memory
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_g_y_add = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_b_proj_part = coconet::shared_scratch<float, 2>(comm, S_H);
-  float* const v_g_allgather2 = coconet::scratch<float, 3>(S_B * S_S * S_H);
-  float* const v_g_h = coconet::scratch<float, 4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_allgather2 = coconet::scratch<float, 2>(S_B * S_S * S_H);
+  float* const v_g_h = coconet::scratch<float, 3>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2_part = coconet::scratch<float, 6>(S_B * S_S * S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 7>(S_B * S_S * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 8>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_n2s = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2_part = coconet::scratch<float, 5>(S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 6>(S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 7>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 8>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 11>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 12>(comm, S_H);
-  float* const v_g_bo_part = coconet::shared_scratch<float, 13>(comm, S_H);
-  float* const v_g_o = coconet::scratch<float, 14>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::scratch<float, 10>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   float* const v_t0_g_a = nullptr;  // inside the attention call only: no memory
   float* const v_g_a = nullptr;  // inside the attention call only: no memory
   float* const v_t1_g_v = nullptr;  // inside the attention call only: no memory
-  float* const v_g_v = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   float* const v_g_p = nullptr;  // inside the attention call only: no memory
   float* const v_t2_g_rows = nullptr;  // inside the attention call only: no memory
   float* const v_g_rows = nullptr;  // inside the attention call only: no memory
   float* const v_g_s_matmul = nullptr;  // inside the attention call only: no memory
   float* const v_t3_g_q = nullptr;  // inside the attention call only: no memory
-  float* const v_g_q = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   float* const v_t4_g_s_transpose = nullptr;  // inside the attention call only: no memory
   float* const v_g_s_transpose = nullptr;  // inside the attention call only: no memory
-  float* const v_g_k = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 19>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 15>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 20>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 16>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part4 = coconet::scratch<float, 22>(S_B * S_S * S_H);
-  float* const v_g_n1s = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 18>(S_B * S_S * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_t5_d_x = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 25>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 26>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::shared_scratch<float, 21>(comm, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   float* const v_d_ln2_w = a.output<float>(10);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::shared_scratch<float, 22>(comm, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   float* const v_d_ln2_b = a.output<float>(11);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::shared_scratch<float, 23>(comm, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   float* const v_d_bo = a.output<float>(9);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::shared_scratch<float, 24>(comm, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   float* const v_d_ln1_w = a.output<float>(1);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::shared_scratch<float, 25>(comm, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   float* const v_d_ln1_b = a.output<float>(2);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::shared_scratch<float, 26>(comm, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // qm_reshape's check
   coconet::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:126)");  // k_reshape's check
@@ -562,26 +562,32 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   trace_55.end();
   coconet::trace::Unit trace_56(56);
   // [backward] allreduce d_b_proj (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_b_proj_part, v_d_b_proj, S_H, comm);
   trace_56.end();
   coconet::trace::Unit trace_57(57);
   // [backward] allreduce d_ln2_w (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_ln2_w_part, v_d_ln2_w, S_H, comm);
   trace_57.end();
   coconet::trace::Unit trace_58(58);
   // [backward] allreduce d_ln2_b (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_ln2_b_part, v_d_ln2_b, S_H, comm);
   trace_58.end();
   coconet::trace::Unit trace_59(59);
   // [backward] allreduce d_bo (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_bo_part, v_d_bo, S_H, comm);
   trace_59.end();
   coconet::trace::Unit trace_60(60);
   // [backward] allreduce d_ln1_w (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_ln1_w_part, v_d_ln1_w, S_H, comm);
   trace_60.end();
   coconet::trace::Unit trace_61(61);
   // [backward] allreduce d_ln1_b (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_ln1_b_part, v_d_ln1_b, S_H, comm);
   trace_61.end();
 }

@@ -22,7 +22,7 @@ void mlp_out__default(const coconet::CallArgs& a) {
   coconet::half* const v_r = a.tensor<coconet::half>(3);
   const int64_t v_seed[1] = {int64_t(a.iscalars[0])};
   coconet::half* const v_y = coconet::shared_scratch<coconet::half, 1>(comm, S_B * S_S * S_H);
-  coconet::half* const v_s = comm.size == 1 ? v_y : coconet::scratch<coconet::half, 2>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  coconet::half* const v_s = comm.size == 1 ? v_y : coconet::scratch<coconet::half, 2>(S_B * S_S * S_H);  // one rank: y's memory, the all-reduce copies nothing
   coconet::half* const v_out = a.output<coconet::half>(0);
   coconet::trace::Unit trace_0(0);
   // [default] matmul y (mlp_out.ccn:4)

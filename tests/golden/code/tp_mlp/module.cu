@@ -907,12 +907,12 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_x_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:16)
   coconet::cuda::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -2925,12 +2925,12 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b1 = a.output<float>(2);
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   float* const v_d_w1 = a.output<float>(1);
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below

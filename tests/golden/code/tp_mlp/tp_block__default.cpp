@@ -24,7 +24,7 @@ void tp_block__default(const coconet::CallArgs& a) {
   float* const v_a = coconet::scratch<float, 1>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_p = coconet::shared_scratch<float, 3>(comm, S_B * S_S * S_H);
-  float* const v_s = comm.size == 1 ? v_p : coconet::scratch<float, 4>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_s = comm.size == 1 ? v_p : coconet::scratch<float, 4>(S_B * S_S * S_H);  // one rank: p's memory, the all-reduce copies nothing
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [default] matmul a (tp_mlp.ccn:65)

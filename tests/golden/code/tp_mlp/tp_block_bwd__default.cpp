@@ -30,7 +30,7 @@ void tp_block_bwd__default(const coconet::CallArgs& a) {
   float* const v_g_h_add = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b1 = a.output<float>(2);
   float* const v_g_x_part = coconet::shared_scratch<float, 3>(comm, S_B * S_S * S_H);
-  float* const v_g_x = comm.size == 1 ? v_g_x_part : coconet::scratch<float, 4>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_g_x = comm.size == 1 ? v_g_x_part : coconet::scratch<float, 4>(S_B * S_S * S_H);  // one rank: g_x_part's memory, the all-reduce copies nothing
   float* const v_d_x = a.output<float>(0);
   float* const v_d_w1 = a.output<float>(1);
   coconet::trace::Unit trace_0(0);

@@ -29,9 +29,9 @@ void tp_mlp_bwd__default(const coconet::CallArgs& a) {
   float* const v_d_w2 = a.output<float>(3);
   float* const v_g_h_add = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b1 = a.output<float>(2);
-  float* const v_g_x_part = coconet::shared_scratch<float, 3>(comm, S_B * S_S * S_H);
   float* const v_d_w1 = a.output<float>(1);
   float* const v_d_x = a.output<float>(0);
+  float* const v_g_x_part = comm.size == 1 ? v_d_x : coconet::shared_scratch<float, 3>(comm, S_B * S_S * S_H);  // one rank: d_x's memory, the all-reduce copies nothing
   coconet::trace::Unit trace_0(0);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
   coconet::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H);
@@ -106,6 +106,7 @@ void tp_mlp_bwd__default(const coconet::CallArgs& a) {
   trace_6.end();
   coconet::trace::Unit trace_7(7);
   // [default] allreduce d_x (tp_mlp.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_x_part, v_d_x, S_B * S_S * S_H, comm);
   trace_7.end();
 }

@@ -24,7 +24,7 @@ void tp_mlp_fwd__default(const coconet::CallArgs& a) {
   float* const v_a = a.output<float>(1);
   float* const v_h = a.output<float>(2);
   float* const v_p = coconet::shared_scratch<float, 1>(comm, S_B * S_S * S_H);
-  float* const v_s = comm.size == 1 ? v_p : coconet::scratch<float, 2>(S_B * S_S * S_H);  // one rank: the all-reduce's source, nothing copied
+  float* const v_s = comm.size == 1 ? v_p : coconet::scratch<float, 2>(S_B * S_S * S_H);  // one rank: p's memory, the all-reduce copies nothing
   float* const v_y = a.output<float>(0);
   coconet::trace::Unit trace_0(0);
   // [default] matmul a (tp_mlp.ccn:16)

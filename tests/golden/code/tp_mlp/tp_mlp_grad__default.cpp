@@ -30,9 +30,9 @@ void tp_mlp_grad__default(const coconet::CallArgs& a) {
   float* const v_d_w2 = a.output<float>(3);
   float* const v_g_h_add = coconet::scratch<float, 5>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b1 = a.output<float>(2);
-  float* const v_g_x_part = coconet::shared_scratch<float, 6>(comm, S_B * S_S * S_H);
   float* const v_d_w1 = a.output<float>(1);
   float* const v_d_x = a.output<float>(0);
+  float* const v_g_x_part = comm.size == 1 ? v_d_x : coconet::shared_scratch<float, 6>(comm, S_B * S_S * S_H);  // one rank: d_x's memory, the all-reduce copies nothing
   coconet::trace::Unit trace_0(0);
   // [default] matmul a (tp_mlp.ccn:16)
   coconet::matmul<float>(v_x, v_w1, v_a, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -142,6 +142,7 @@ void tp_mlp_grad__default(const coconet::CallArgs& a) {
   trace_8.end();
   coconet::trace::Unit trace_9(9);
   // [default] allreduce d_x (tp_mlp.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g_x_part, v_d_x, S_B * S_S * S_H, comm);
   trace_9.end();
 }

@@ -22,10 +22,10 @@ void row_parallel__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x, size_t(S_B * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size()) * sizeof(*v_x), "x", stream);
   float* const v_w = a.tensor<float>(1);
   COCONET_PARAM(v_w, size_t(coconet::slice_range(S_K, comm.size, comm.rank).size() * S_H) * sizeof(*v_w), "w", stream);
-  float* const v_y = coconet::cuda::scratch<float>(1, S_B * S_S * S_H);
-  COCONET_BUFFER(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y");
   float* const v_s = a.output<float>(0);
   COCONET_PARAM(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s", stream);
+  float* const v_y = coconet::cuda::scratch<float>(1, S_B * S_S * S_H);
+  COCONET_BUFFER(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y");
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul y (tp_overlap.ccn:4)
   coconet::cuda::matmul<float>(v_x, v_w, v_y, S_B * S_S, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, stream);
