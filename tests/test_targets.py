@@ -264,26 +264,32 @@ def test_a_reshape_is_held_in_its_sources_memory_where_nothing_else_can_write_it
 
 
 def test_an_allreduce_is_its_sources_memory_at_one_rank_where_no_unit_writes_either_after_it() -> None:
-    """Buffer.one_rank_as (targets.one_rank_results): on the CPU at one rank an all-reduce of a
-    scratch value is one memory with its result, and the call copies nothing: a scratch result
-    is its source's memory, an output holds its source; not an all-reduce of a parameter.
-    (Compiled, every example runs on one rank against the interpreter in test_cpu_backend.py:
-    gpt_block's and tp_mlp's all-reduces are such.)"""
-    text = """program p(x: f32[N] replicated, y: f32[N] replicated) {
+    """Buffer.one_rank_as (targets.one_rank_results): at one rank an all-reduce of a computed
+    value, or of a parameter nothing updates, is one memory with its result, and the call copies
+    nothing, on the CPU and CUDA: a scratch result is its source's memory, an output holds its
+    source; not an all-reduce of a parameter updated in place. (Compiled, every example runs on
+    one rank against the interpreter in test_cpu_backend.py, and the CUDA emulation's in
+    test_cuda_emulate.py: gpt_block's, tp_mlp's and adam's all-reduces are such.)"""
+    text = """program p(x: f32[N] replicated, y: f32[N] replicated, w: f32[N] replicated) {
     a = x * 2.0
     s = allreduce(sum, a)
     t = s + a
     q = allreduce(max, y)
-    r = t * q
+    c = allreduce(sum, w)
+    r = t * q + c
+    w1 = update(w, w * 0.5)
     o = allreduce(sum, r)
     return o, t
 }
 """
     plan = plan_program(load_source(text, "p.ccn").programs["p"])
-    assert {b.name: b.one_rank_as for b in plan.buffers if b.one_rank_as} == {"s": "a", "r": "o"}
-    assert "(on the CPU at one rank: a's memory, the all-reduce copies nothing)" in show(plan)
+    assert {b.name: b.one_rank_as for b in plan.buffers if b.one_rank_as} == {"s": "a", "q": "y", "r": "o"}
+    assert "(at one rank: a's memory, the all-reduce copies nothing)" in show(plan)
     from coconetc.codegen.cpu import generate as cpu_generate
     code = cpu_generate(load_source(text, "p.ccn"), "m").cpp
     assert "float* const v_s = comm.size == 1 ? v_a : coconet::scratch<float," in code
     assert "float* const v_r = comm.size == 1 ? v_o : coconet::shared_scratch<float," in code
-    assert code.count("if (comm.size > 1)  // one rank: the result is the source") == 2
+    assert code.count("if (comm.size > 1)  // one rank: the result is the source") == 3
+    cu = generate(load_source(text, "p.ccn"), "m").cu
+    assert "float* const v_q = comm.size == 1 ? v_y : coconet::cuda::scratch<float>(" in cu
+    assert cu.count("if (comm.size > 1)  // one rank: the result is the source") == 3

@@ -212,6 +212,8 @@ def collective(w: Writer, u: Collective, calls: Calls, reduce_ops: Mapping[str, 
     allgather straight into a scattered parameter's segments. x: what is read, if not u.src."""
     x = x or u.src
     a = Operands(w, u, x, x in w.scattered, reduce_ops.get(u.reduce, ""))
+    if w.buffers[u.dst].one_rank_as == u.src or w.buffers[u.src].one_rank_as == u.dst:  # (plan/targets.py)
+        w.emit("if (comm.size > 1)  // one rank: the result is the source")
     w.emit(calls[("into", False) if u.into else (u.op, a.segments)](a))
 
 

@@ -81,7 +81,7 @@ def _buffer(plan: Plan, b: Buffer) -> str:
     if b.reuses:
         none += f" (in {b.reuses}'s memory: gathered after its last reader)"
     if b.one_rank_as:
-        none += f" (on the CPU at one rank: {b.one_rank_as}'s memory, the all-reduce copies nothing)"
+        none += f" (at one rank: {b.one_rank_as}'s memory, the all-reduce copies nothing)"
     if b.kind == "param" and b.type.ndim and plan.own_part_only(b.name):  # (DistributedOptimizer's shared_weights)
         none += " (each rank writes only its own part: the ranks of a node may hold one copy)"
     return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}{none}"

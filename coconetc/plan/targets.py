@@ -478,25 +478,29 @@ def gathered_reuse(plan: Plan) -> dict[str, str]:
 
 def one_rank_results(plan: Plan) -> dict[str, str]:
     """The all-reduces whose result and source can be one memory where the group is one rank
-    (Buffer.one_rank_as: the value -> the one whose memory it is there; the CPU, which then
-    skips the call: an all-reduce over one rank is its source, and MPI's copies it where the
-    result has memory of its own, 0.1 ms a layer of the GPT block at a micro-batch of 2 x 128
-    tokens, four times a forward and backward at tensor parallelism 1, as in a pipeline stage of
-    one rank). Where: a top-level all-reduce of a whole (not sliced) scratch value of the
-    result's type, whose result no other unit writes and whose source no later unit writes,
-    neither sharing memory with another value (same_as, reuses); a result that is private
-    scratch is held in the source's memory, an output holds the source (a backward's input
-    gradient kept for its weight gradient). So from the all-reduce on both are read only, and
-    the one memory holds the values the two would."""
+    (Buffer.one_rank_as: the value -> the one whose memory it is there; the CPU and CUDA, which
+    then skip the call: an all-reduce over one rank is its source, and MPI and NCCL copy it where
+    the result has memory of its own: 0.1 ms a layer of the GPT block at a micro-batch of 2 x 128
+    tokens on the CPU, four times a forward and backward at tensor parallelism 1, as in a
+    pipeline stage of one rank; Adam's gradient at one rank). Where: a top-level all-reduce of a
+    whole (not sliced) value of the result's type, scratch or a parameter nothing updates in
+    place, whose result no other unit writes and whose source no later unit writes, neither
+    sharing memory with another value (same_as, reuses); a result that is private scratch is held
+    in the source's memory, an output holds a scratch source (a backward's input gradient kept
+    for its weight gradient). So from the all-reduce on both are read only, and the one memory
+    holds the values the two would."""
     bufs = {b.name: b for b in plan.buffers}
     lent = {n for b in plan.buffers if b.same_as or b.reuses for n in (b.name, b.same_as, b.reuses)}
+    updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
     out: dict[str, str] = {}
     for i, u in enumerate(plan.units):
         if not (isinstance(u, Collective) and u.op == "allreduce" and not u.into and not u.packed):
             continue
         dst, src = bufs[u.dst], bufs[u.src]
-        if not ((dst.kind == "scratch" and dst.private) or dst.kind == "output") or src.kind != "scratch" \
-                or src.unallocated or {dst.name, src.name} & lent or dst.type.dtype != src.type.dtype \
+        held = (dst.kind == "scratch" and dst.private and (src.kind == "scratch" or
+                                                            (src.kind == "param" and src.name not in updated))) \
+            or (dst.kind == "output" and src.kind == "scratch")
+        if not held or src.unallocated or {dst.name, src.name} & lent or dst.type.dtype != src.type.dtype \
                 or dst.type.shape != src.type.shape or dst.type.layout.sliced or src.type.layout.sliced:
             continue
         if any(_may_write(x, dst.name) for j, x in enumerate(plan.units) if j != i) \

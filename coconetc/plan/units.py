@@ -50,7 +50,7 @@ class Buffer:
     same_as: str = ""  # scratch: a reshape's result held in its source's memory, no copy (plan/targets.py)
     same_at: int | None = None  # with same_as: an index's row i of its source (its memory from i * this buffer's size)
     reuses: str = ""  # scratch: an all-gathered value held in an earlier one's memory, whose last reader has run (plan/targets.py)
-    one_rank_as: str = ""  # scratch: an all-reduce's result or source held in the other's memory where the group is one rank (the CPU; plan/targets.py)
+    one_rank_as: str = ""  # scratch: an all-reduce's result or source held in the other's memory where the group is one rank (plan/targets.py)
 
     @property
     def private(self) -> bool:

@@ -53,6 +53,4 @@ def collective(w: Writer, u: Collective) -> None:
         xt = w.types[u.src]
         w.emit(f"coconet::copy_out(coconet::Segments<const {CTYPE[xt.dtype]}>(p_{u.src}), 0, "
                f"{prod(w.ldims(xt))}, v_{u.packed});")
-    if w.buffers[u.dst].one_rank_as or w.buffers[u.src].one_rank_as:  # (one memory at one rank: render.py _declare)
-        w.emit("if (comm.size > 1)  // one rank: the result is the source")
     dispatch.collective(w, u, CALLS, REDUCE_OP, u.packed)

@@ -28,13 +28,14 @@ void adam__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<float> v_beta2{float(a.scalars[2])};
   const coconet::cuda::Scalar<float> v_eps{float(a.scalars[3])};
   const coconet::cuda::Scalar<float> v_step{float(a.scalars[4])};
-  float* const v_g1 = coconet::cuda::scratch<float>(1, S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::cuda::scratch<float>(1, S_N);  // one rank: g's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (adam.ccn:4)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);

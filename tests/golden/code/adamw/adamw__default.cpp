@@ -24,7 +24,7 @@ void adamw__default(const coconet::CallArgs& a) {
   const float v_wd[1] = {float(a.scalars[4])};
   const float v_step[1] = {float(a.scalars[5])};
   const float v_maxnorm[1] = {float(a.scalars[6])};
-  float* const v_g1 = coconet::scratch<float, 1>(S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::scratch<float, 1>(S_N);  // one rank: g's memory, the all-reduce copies nothing
   float* const v_t0_c = coconet::scratch<float, 2>(int64_t(1));
   float* const v_c = coconet::scratch<float, 3>(int64_t(1));
   float* const v_m1 = v_m;  // updates m in place
@@ -32,6 +32,7 @@ void adamw__default(const coconet::CallArgs& a) {
   float* const v_w1 = v_w;  // updates w in place
   coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (adamw.ccn:8)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
   trace_0.end();
   coconet::trace::Unit trace_1(1);

@@ -30,7 +30,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<float> v_wd{float(a.scalars[4])};
   const coconet::cuda::Scalar<float> v_step{float(a.scalars[5])};
   const coconet::cuda::Scalar<float> v_maxnorm{float(a.scalars[6])};
-  float* const v_g1 = coconet::cuda::scratch<float>(1, S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::cuda::scratch<float>(1, S_N);  // one rank: g's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_t0_c = coconet::cuda::scratch<float>(2, int64_t(1));
   COCONET_BUFFER(v_t0_c, size_t(int64_t(1)) * sizeof(*v_t0_c), "t0_c");
@@ -41,6 +41,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = v_w;  // updates w in place
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (adamw.ccn:8)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);

@@ -24,12 +24,13 @@ void adamw_whole__default(const coconet::CallArgs& a) {
   const float v_eps[1] = {float(a.scalars[4])};
   const float v_wd[1] = {float(a.scalars[5])};
   const float v_step[1] = {float(a.scalars[6])};
-  float* const v_g1 = coconet::scratch<float, 1>(S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::scratch<float, 1>(S_N);  // one rank: g's memory, the all-reduce copies nothing
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
   float* const v_w1 = v_w;  // updates w in place
   coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (adamw_sharded.ccn:28)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
   trace_0.end();
   coconet::trace::Unit trace_1(1);

@@ -19,7 +19,7 @@ void amax_scale__default(const coconet::CallArgs& a) {
   const float v_lr[1] = {float(a.scalars[0])};
   const float v_beta[1] = {float(a.scalars[1])};
   const float v_clip[1] = {float(a.scalars[2])};
-  float* const v_g1 = coconet::scratch<float, 1>(S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::scratch<float, 1>(S_N);  // one rank: g's memory, the all-reduce copies nothing
   float* const v_t0_a = coconet::scratch<float, 2>(S_N);
   float* const v_a = coconet::scratch<float, 3>(int64_t(1));
   float* const v_s = coconet::scratch<float, 4>(int64_t(1));
@@ -27,6 +27,7 @@ void amax_scale__default(const coconet::CallArgs& a) {
   float* const v_w1 = v_w;  // updates w in place
   coconet::trace::Unit trace_0(0);
   // [default] allreduce g1 (amax_scale.ccn:9)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::allreduce(coconet::Op::sum, v_g, v_g1, S_N, comm);
   trace_0.end();
   coconet::trace::Unit trace_1(1);

@@ -24,7 +24,7 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<float> v_lr{float(a.scalars[0])};
   const coconet::cuda::Scalar<float> v_beta{float(a.scalars[1])};
   const coconet::cuda::Scalar<float> v_clip{float(a.scalars[2])};
-  float* const v_g1 = coconet::cuda::scratch<float>(1, S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::cuda::scratch<float>(1, S_N);  // one rank: g's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_t0_a = coconet::cuda::scratch<float>(2, S_N);
   COCONET_BUFFER(v_t0_a, size_t(S_N) * sizeof(*v_t0_a), "t0_a");
@@ -36,6 +36,7 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = v_w;  // updates w in place
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (amax_scale.ccn:9)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);

@@ -20,7 +20,7 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
   float* const v_w = a.tensor<float>(1);
   COCONET_PARAM(v_w, size_t(S_N) * sizeof(*v_w), "w", stream);
   const coconet::cuda::Scalar<float> v_lr{float(a.scalars[0])};
-  float* const v_g1 = coconet::cuda::scratch<float>(1, S_N);
+  float* const v_g1 = comm.size == 1 ? v_g : coconet::cuda::scratch<float>(1, S_N);  // one rank: g's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_gc = coconet::cuda::scratch<float>(2, S_N);
   COCONET_BUFFER(v_gc, size_t(S_N) * sizeof(*v_gc), "gc");
@@ -29,6 +29,7 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
   float* const v_w1 = v_w;  // updates w in place
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (clipped_sgd.ccn:5)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g, v_g1, S_N, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);

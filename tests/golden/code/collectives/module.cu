@@ -54,7 +54,7 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_p, size_t(S_N) * sizeof(*v_p), "p", stream);
   float* const v_q = a.output<float>(8);
   COCONET_PARAM(v_q, size_t(S_N) * sizeof(*v_q), "q", stream);
-  float* const v_t3_q = coconet::cuda::scratch<float>(5, S_N);
+  float* const v_t3_q = comm.size == 1 ? v_q : coconet::cuda::scratch<float>(5, S_N);  // one rank: q's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   coconet::cuda::trace::Unit trace_0(0, stream);
   coconet::cuda::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
@@ -187,6 +187,7 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
   trace_15.end();
   coconet::cuda::trace::Unit trace_16(16, stream);
   // [default] allreduce q (NCCL) (collectives.ccn:13)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclProd, v_t3_q, v_q, S_N, ctx);
   trace_16.end();
 }
@@ -239,7 +240,7 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_p, size_t(S_N) * sizeof(*v_p), "p", stream);
   float* const v_q = a.output<float>(8);
   COCONET_PARAM(v_q, size_t(S_N) * sizeof(*v_q), "q", stream);
-  float* const v_t3_q = coconet::cuda::scratch<float>(6, S_N);
+  float* const v_t3_q = comm.size == 1 ? v_q : coconet::cuda::scratch<float>(6, S_N);  // one rank: q's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_t3_q, size_t(S_N) * sizeof(*v_t3_q), "t3_q");
   coconet::cuda::trace::Unit trace_0(0, stream);
   coconet::cuda::require(0 < comm.size, "broadcast: root 0 is not a rank of a group of " + std::to_string(comm.size));
@@ -376,6 +377,7 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
   trace_16.end();
   coconet::cuda::trace::Unit trace_17(17, stream);
   // [split_max] allreduce q (NCCL) (collectives.ccn:13)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclProd, v_t3_q, v_q, S_N, ctx);
   trace_17.end();
 }

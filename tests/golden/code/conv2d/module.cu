@@ -32,7 +32,7 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_y, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1))) * sizeof(*v_y), "y");
   float* const v_a = coconet::cuda::scratch<float>(2, coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1)));
   COCONET_BUFFER(v_a, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1))) * sizeof(*v_a), "a");
-  float* const v_gsum = coconet::cuda::scratch<float>(3, S_O * int64_t(1) * int64_t(1));
+  float* const v_gsum = comm.size == 1 ? v_gb : coconet::cuda::scratch<float>(3, S_O * int64_t(1) * int64_t(1));  // one rank: gb's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_gsum, size_t(S_O * int64_t(1) * int64_t(1)) * sizeof(*v_gsum), "gsum");
   float* const v_nb = v_bias;  // updates bias in place
   float* const v_full = a.output<float>(0);
@@ -92,6 +92,7 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);
   // [default] allreduce gsum (NCCL) (conv2d.ccn:7)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclAvg, v_gb, v_gsum, S_O * int64_t(1) * int64_t(1), ctx);
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
@@ -145,7 +146,7 @@ void conv_tp__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_k, size_t(S_O * coconet::slice_range(S_C, comm.size, comm.rank).size() * int64_t(3) * int64_t(3)) * sizeof(*v_k), "k", stream);
   float* const v_part = coconet::cuda::scratch<float>(1, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
   COCONET_BUFFER(v_part, size_t(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_part), "part");
-  float* const v_y = coconet::cuda::scratch<float>(2, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));
+  float* const v_y = comm.size == 1 ? v_part : coconet::cuda::scratch<float>(2, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)));  // one rank: part's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_y, size_t(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_y), "y");
   float* const v_out = a.output<float>(0);
   COCONET_PARAM(v_out, size_t(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))) * sizeof(*v_out), "out", stream);
@@ -155,6 +156,7 @@ void conv_tp__default(const coconet::cuda::CallArgs& a) {
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);
   // [default] allreduce y (NCCL) (conv2d.ccn:16)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_part, v_y, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), ctx);
   trace_1.end();
   coconet::cuda::trace::Unit trace_2(2, stream);

@@ -101,7 +101,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  float* const v_at = comm.size == 1 ? v_ap : coconet::cuda::scratch<float>(19, S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
   float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
@@ -113,7 +113,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
+  float* const v_mt = comm.size == 1 ? v_mp : coconet::cuda::scratch<float>(25, S_B * S_S * S_H);  // one rank: mp's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -430,6 +430,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] allreduce at (NCCL) (gpt_block.ccn:48)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
@@ -536,6 +537,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
   trace_34.end();
   coconet::cuda::trace::Unit trace_35(35, stream);
@@ -4391,7 +4393,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(17, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  float* const v_at = comm.size == 1 ? v_ap : coconet::cuda::scratch<float>(18, S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
   float* const v_x1 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
@@ -4419,7 +4421,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::cuda::scratch<float>(28, S_B * S_S * S_H);  // one rank: g_n2_part's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_t0_g_x1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
@@ -4499,7 +4501,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
+  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::cuda::scratch<float>(54, S_B * S_S * S_H);  // one rank: g_n1_part4's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
   float* const v_t6_d_x = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
@@ -4819,6 +4821,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   trace_26.end();
   coconet::cuda::trace::Unit trace_27(27, stream);
   // [default] allreduce at (NCCL) (gpt_block.ccn:48)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
@@ -5009,6 +5012,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   trace_39.end();
   coconet::cuda::trace::Unit trace_40(40, stream);
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   trace_40.end();
   coconet::cuda::trace::Unit trace_41(41, stream);
@@ -5358,6 +5362,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   trace_84.end();
   coconet::cuda::trace::Unit trace_85(85, stream);
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   trace_85.end();
   coconet::cuda::trace::Unit trace_86(86, stream);
@@ -5470,7 +5475,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(17, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  float* const v_at = comm.size == 1 ? v_ap : coconet::cuda::scratch<float>(18, S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
   float* const v_x1 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
@@ -5891,6 +5896,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   trace_26.end();
   coconet::cuda::trace::Unit trace_27(27, stream);
   // [overlapped] allreduce at (NCCL) (gpt_block.ccn:48)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
@@ -6643,27 +6649,27 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::cuda::scratch<float>(59, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(60, S_H);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::cuda::scratch<float>(60, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(61, S_H);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::cuda::scratch<float>(61, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(62, S_H);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::cuda::scratch<float>(62, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(63, S_H);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::cuda::scratch<float>(63, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(64, S_H);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::cuda::scratch<float>(64, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
@@ -7544,26 +7550,32 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   trace_93.end();
   coconet::cuda::trace::Unit trace_94(94, stream);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_94.end();
   coconet::cuda::trace::Unit trace_95(95, stream);
   // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_95.end();
   coconet::cuda::trace::Unit trace_96(96, stream);
   // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_96.end();
   coconet::cuda::trace::Unit trace_97(97, stream);
   // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_97.end();
   coconet::cuda::trace::Unit trace_98(98, stream);
   // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
   trace_98.end();
   coconet::cuda::trace::Unit trace_99(99, stream);
   // [default] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
   trace_99.end();
 }
@@ -7765,27 +7777,27 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(54, S_H);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::cuda::scratch<float>(54, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(55, S_H);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::cuda::scratch<float>(55, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(56, S_H);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::cuda::scratch<float>(56, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(57, S_H);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::cuda::scratch<float>(57, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(58, S_H);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::cuda::scratch<float>(58, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::cuda::scratch<float>(59, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
@@ -8754,26 +8766,32 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   trace_78.end();
   coconet::cuda::trace::Unit trace_79(79, stream);
   // [overlapped] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_79.end();
   coconet::cuda::trace::Unit trace_80(80, stream);
   // [overlapped] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_80.end();
   coconet::cuda::trace::Unit trace_81(81, stream);
   // [overlapped] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_81.end();
   coconet::cuda::trace::Unit trace_82(82, stream);
   // [overlapped] allreduce d_bo (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_82.end();
   coconet::cuda::trace::Unit trace_83(83, stream);
   // [overlapped] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
   trace_83.end();
   coconet::cuda::trace::Unit trace_84(84, stream);
   // [overlapped] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
   trace_84.end();
 }
@@ -8975,27 +8993,27 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(54, S_H);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::cuda::scratch<float>(54, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(55, S_H);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::cuda::scratch<float>(55, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(56, S_H);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::cuda::scratch<float>(56, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(57, S_H);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::cuda::scratch<float>(57, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(58, S_H);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::cuda::scratch<float>(58, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::cuda::scratch<float>(59, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
@@ -9980,26 +9998,32 @@ void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
   trace_76.end();
   coconet::cuda::trace::Unit trace_77(77, stream);
   // [overlapped_both] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_77.end();
   coconet::cuda::trace::Unit trace_78(78, stream);
   // [overlapped_both] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_78.end();
   coconet::cuda::trace::Unit trace_79(79, stream);
   // [overlapped_both] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_79.end();
   coconet::cuda::trace::Unit trace_80(80, stream);
   // [overlapped_both] allreduce d_bo (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_80.end();
   coconet::cuda::trace::Unit trace_81(81, stream);
   // [overlapped_both] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
   trace_81.end();
   coconet::cuda::trace::Unit trace_82(82, stream);
   // [overlapped_both] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
   trace_82.end();
 }
@@ -10205,27 +10229,27 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(56, S_H);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::cuda::scratch<float>(56, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(57, S_H);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::cuda::scratch<float>(57, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(58, S_H);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::cuda::scratch<float>(58, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::cuda::scratch<float>(59, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(60, S_H);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::cuda::scratch<float>(60, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(61, S_H);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::cuda::scratch<float>(61, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
@@ -11148,26 +11172,32 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   trace_83.end();
   coconet::cuda::trace::Unit trace_84(84, stream);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_84.end();
   coconet::cuda::trace::Unit trace_85(85, stream);
   // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_85.end();
   coconet::cuda::trace::Unit trace_86(86, stream);
   // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_86.end();
   coconet::cuda::trace::Unit trace_87(87, stream);
   // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_87.end();
   coconet::cuda::trace::Unit trace_88(88, stream);
   // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
   trace_88.end();
   coconet::cuda::trace::Unit trace_89(89, stream);
   // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
   trace_89.end();
 }
@@ -11265,7 +11295,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_at = comm.size == 1 ? v_ap : coconet::cuda::scratch<float>(13, S_B * S_S * S_H);  // one rank: ap's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
   float* const v_x1 = a.output<float>(7);
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
@@ -11277,7 +11307,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mt = comm.size == 1 ? v_mp : coconet::cuda::scratch<float>(15, S_B * S_S * S_H);  // one rank: mp's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -11605,6 +11635,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   trace_27.end();
   coconet::cuda::trace::Unit trace_28(28, stream);
   // [default] allreduce at (NCCL) (gpt_block.ccn:48)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
   trace_28.end();
   coconet::cuda::trace::Unit trace_29(29, stream);
@@ -11711,6 +11742,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   trace_33.end();
   coconet::cuda::trace::Unit trace_34(34, stream);
   // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
   trace_34.end();
   coconet::cuda::trace::Unit trace_35(35, stream);
@@ -13030,7 +13062,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2 = comm.size == 1 ? v_g_n2_part : coconet::cuda::scratch<float>(7, S_B * S_S * S_H);  // one rank: g_n2_part's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
@@ -13110,7 +13142,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1 = comm.size == 1 ? v_g_n1_part4 : coconet::cuda::scratch<float>(33, S_B * S_S * S_H);  // one rank: g_n1_part4's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
   float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
@@ -13308,6 +13340,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   trace_13.end();
   coconet::cuda::trace::Unit trace_14(14, stream);
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   trace_14.end();
   coconet::cuda::trace::Unit trace_15(15, stream);
@@ -13657,6 +13690,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   trace_58.end();
   coconet::cuda::trace::Unit trace_59(59, stream);
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   trace_59.end();
   coconet::cuda::trace::Unit trace_60(60, stream);
@@ -17163,27 +17197,27 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::cuda::scratch<float>(36, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::cuda::scratch<float>(37, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(38, S_H);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::cuda::scratch<float>(38, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(39, S_H);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::cuda::scratch<float>(39, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(40, S_H);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::cuda::scratch<float>(40, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(41, S_H);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::cuda::scratch<float>(41, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
@@ -17741,26 +17775,32 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   trace_65.end();
   coconet::cuda::trace::Unit trace_66(66, stream);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_66.end();
   coconet::cuda::trace::Unit trace_67(67, stream);
   // [default] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_67.end();
   coconet::cuda::trace::Unit trace_68(68, stream);
   // [default] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_68.end();
   coconet::cuda::trace::Unit trace_69(69, stream);
   // [default] allreduce d_bo (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_69.end();
   coconet::cuda::trace::Unit trace_70(70, stream);
   // [default] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
   trace_70.end();
   coconet::cuda::trace::Unit trace_71(71, stream);
   // [default] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
   trace_71.end();
 }
@@ -17934,27 +17974,27 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(33, S_H);
+  float* const v_g_b_proj_part = comm.size == 1 ? v_d_b_proj : coconet::cuda::scratch<float>(33, S_H);  // one rank: d_b_proj's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(34, S_H);
+  float* const v_g_ln2_w_part = comm.size == 1 ? v_d_ln2_w : coconet::cuda::scratch<float>(34, S_H);  // one rank: d_ln2_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(35, S_H);
+  float* const v_g_ln2_b_part = comm.size == 1 ? v_d_ln2_b : coconet::cuda::scratch<float>(35, S_H);  // one rank: d_ln2_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_bo_part = comm.size == 1 ? v_d_bo : coconet::cuda::scratch<float>(36, S_H);  // one rank: d_bo's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_ln1_w_part = comm.size == 1 ? v_d_ln1_w : coconet::cuda::scratch<float>(37, S_H);  // one rank: d_ln1_w's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(38, S_H);
+  float* const v_g_ln1_b_part = comm.size == 1 ? v_d_ln1_b : coconet::cuda::scratch<float>(38, S_H);  // one rank: d_ln1_b's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // qm_reshape's check
@@ -18544,26 +18584,32 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   trace_55.end();
   coconet::cuda::trace::Unit trace_56(56, stream);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
   trace_56.end();
   coconet::cuda::trace::Unit trace_57(57, stream);
   // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
   trace_57.end();
   coconet::cuda::trace::Unit trace_58(58, stream);
   // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
   trace_58.end();
   coconet::cuda::trace::Unit trace_59(59, stream);
   // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
   trace_59.end();
   coconet::cuda::trace::Unit trace_60(60, stream);
   // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
   trace_60.end();
   coconet::cuda::trace::Unit trace_61(61, stream);
   // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
   trace_61.end();
 }

@@ -31,7 +31,7 @@ void mixed_adam_bf16__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<float> v_eps{float(a.scalars[3])};
   const coconet::cuda::Scalar<float> v_step{float(a.scalars[4])};
   const coconet::cuda::Scalar<float> v_scale{float(a.scalars[5])};
-  coconet::bfloat16* const v_g1 = coconet::cuda::scratch<coconet::bfloat16>(1, S_N);
+  coconet::bfloat16* const v_g1 = comm.size == 1 ? v_g : coconet::cuda::scratch<coconet::bfloat16>(1, S_N);  // one rank: g's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_m1 = v_m;  // updates m in place
   float* const v_v1 = v_v;  // updates v in place
@@ -39,6 +39,7 @@ void mixed_adam_bf16__default(const coconet::cuda::CallArgs& a) {
   coconet::bfloat16* const v_h1 = v_w16;  // updates w16 in place
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (mixed_adam_bf16.ccn:6)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<coconet::bfloat16>(ncclSum, v_g, v_g1, S_N, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);

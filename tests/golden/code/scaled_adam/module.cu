@@ -31,7 +31,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Scalar<float> v_eps{float(a.scalars[3])};
   const coconet::cuda::Scalar<float> v_step{float(a.scalars[4])};
   const coconet::cuda::Scalar<float> v_scale{float(a.scalars[5])};
-  coconet::half* const v_g1 = coconet::cuda::scratch<coconet::half>(1, S_N);
+  coconet::half* const v_g1 = comm.size == 1 ? v_g : coconet::cuda::scratch<coconet::half>(1, S_N);  // one rank: g's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g1, size_t(S_N) * sizeof(*v_g1), "g1");
   float* const v_gf = coconet::cuda::scratch<float>(2, S_N);
   COCONET_BUFFER(v_gf, size_t(S_N) * sizeof(*v_gf), "gf");
@@ -47,6 +47,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_newscale, size_t(int64_t(1)) * sizeof(*v_newscale), "newscale", stream);
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] allreduce g1 (NCCL) (scaled_adam.ccn:11)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<coconet::half>(ncclSum, v_g, v_g1, S_N, ctx);
   trace_0.end();
   coconet::cuda::trace::Unit trace_1(1, stream);

@@ -34,7 +34,7 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_p = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_p, size_t(S_B * S_S * S_H) * sizeof(*v_p), "p");
-  float* const v_s = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_s = comm.size == 1 ? v_p : coconet::cuda::scratch<float>(4, S_B * S_S * S_H);  // one rank: p's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -92,6 +92,7 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:19)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
@@ -456,7 +457,7 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_p = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_p, size_t(S_B * S_S * S_H) * sizeof(*v_p), "p");
-  float* const v_s = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_s = comm.size == 1 ? v_p : coconet::cuda::scratch<float>(4, S_B * S_S * S_H);  // one rank: p's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -514,6 +515,7 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:68)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
@@ -911,7 +913,7 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_g_x_part = comm.size == 1 ? v_d_x : coconet::cuda::scratch<float>(6, S_B * S_S * S_H);  // one rank: d_x's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] matmul a (tp_mlp.ccn:16)
@@ -1020,6 +1022,7 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
   trace_9.end();
 }
@@ -1545,7 +1548,7 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
   float* const v_g_x_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
-  float* const v_g_x = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_x = comm.size == 1 ? v_g_x_part : coconet::cuda::scratch<float>(7, S_B * S_S * S_H);  // one rank: g_x_part's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_x, size_t(S_B * S_S * S_H) * sizeof(*v_g_x), "g_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -1654,6 +1657,7 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
   trace_7.end();
   coconet::cuda::trace::Unit trace_8(8, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_g_x, S_B * S_S * S_H, ctx);
   trace_8.end();
   coconet::cuda::trace::Unit trace_9(9, stream);
@@ -1909,7 +1913,7 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_p = coconet::cuda::scratch<float>(1, S_B * S_S * S_H);
   COCONET_BUFFER(v_p, size_t(S_B * S_S * S_H) * sizeof(*v_p), "p");
-  float* const v_s = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  float* const v_s = comm.size == 1 ? v_p : coconet::cuda::scratch<float>(2, S_B * S_S * S_H);  // one rank: p's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -1967,6 +1971,7 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:68)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
@@ -2207,7 +2212,7 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b1, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b1), "d_b1", stream);
   float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
-  float* const v_g_x = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_x = comm.size == 1 ? v_g_x_part : coconet::cuda::scratch<float>(4, S_B * S_S * S_H);  // one rank: g_x_part's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_x, size_t(S_B * S_S * S_H) * sizeof(*v_g_x), "g_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -2283,6 +2288,7 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
   trace_5.end();
   coconet::cuda::trace::Unit trace_6(6, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_g_x, S_B * S_S * S_H, ctx);
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
@@ -2493,7 +2499,7 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_p = coconet::cuda::scratch<float>(1, S_B * S_S * S_H);
   COCONET_BUFFER(v_p, size_t(S_B * S_S * S_H) * sizeof(*v_p), "p");
-  float* const v_s = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  float* const v_s = comm.size == 1 ? v_p : coconet::cuda::scratch<float>(2, S_B * S_S * S_H);  // one rank: p's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_s, size_t(S_B * S_S * S_H) * sizeof(*v_s), "s");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -2551,6 +2557,7 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
   trace_2.end();
   coconet::cuda::trace::Unit trace_3(3, stream);
   // [default] allreduce s (NCCL) (tp_mlp.ccn:19)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_p, v_s, S_B * S_S * S_H, ctx);
   trace_3.end();
   coconet::cuda::trace::Unit trace_4(4, stream);
@@ -2929,7 +2936,7 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_w1, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w1), "d_w1", stream);
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_x_part = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
+  float* const v_g_x_part = comm.size == 1 ? v_d_x : coconet::cuda::scratch<float>(3, S_B * S_S * S_H);  // one rank: d_x's memory, the all-reduce copies nothing
   COCONET_BUFFER(v_g_x_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_x_part), "g_x_part");
   coconet::cuda::trace::Unit trace_0(0, stream);
   // [default] sum_lead d_b2 (tp_mlp.ccn)
@@ -3005,6 +3012,7 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
   trace_6.end();
   coconet::cuda::trace::Unit trace_7(7, stream);
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
+  if (comm.size > 1)  // one rank: the result is the source
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
   trace_7.end();
 }
