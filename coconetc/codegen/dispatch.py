@@ -84,6 +84,18 @@ def _reshape_held_in(w: Writer, b: Buffer) -> str:
     return "an accumulator's memory" if w.buffers[src.same_as].kind == "alias" else "a row of a stacked gradient"
 
 
+def declare_scratch(w: Writer, b: Buffer, memory: str) -> None:
+    """A scratch buffer's declaration with its MEMORY (the backend's allocation): at one rank the
+    other buffer's memory instead where the plan makes an all-reduce's result and source one
+    (Buffer.one_rank_as, plan/targets.py one_rank_results)."""
+    ct = CTYPE[b.type.dtype]
+    if b.one_rank_as:
+        w.emit(f"{ct}* const v_{b.name} = comm.size == 1 ? v_{b.one_rank_as} : {memory};  "
+               f"// one rank: {b.one_rank_as}'s memory, the all-reduce copies nothing")
+    else:
+        w.emit(f"{ct}* const v_{b.name} = {memory};")
+
+
 def declare(w: Writer, b: Buffer) -> bool:
     """The declarations every backend writes the same way (a buffer that is a place in another:
     an output, an in-place update, a view inside a gathered result, a reshape of its source held

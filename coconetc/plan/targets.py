@@ -151,6 +151,12 @@ def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     return replace(plan, gaps=tuple(gaps))
 
 
+def _updated_in_place(plan: Plan) -> set[str]:
+    """The parameters the plan writes in place: those an update's alias, an allgather's view or
+    a scattered parameter's segments (into) are."""
+    return {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
+
+
 def _reshape_views(plan: Plan) -> dict[str, str]:
     """The reshapes whose result needs no copy (Buffer.same_as): row-major order is kept, so
     the result is its source's memory, read as another shape. Where: a top-level reshape whose
@@ -159,7 +165,7 @@ def _reshape_views(plan: Plan) -> dict[str, str]:
     output and whose source is private scratch read by no collective (then the source is held in
     the output's memory); every backend."""
     kinds = {b.name: b for b in plan.buffers}
-    updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
+    updated = _updated_in_place(plan)
     sent = {n for u in _every(plan.units) for n in _collective_reads(u)}
     views: dict[str, str] = {}
     for u in plan.units:
@@ -185,7 +191,7 @@ def _index_views(plan: Plan, views: dict[str, str]) -> dict[str, tuple[str, int]
     parameter nothing updates in place or a scratch value, neither held elsewhere itself (a layer
     of a stacked parameter: repeat, docs/language.md); every backend."""
     kinds = {b.name: b for b in plan.buffers}
-    updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
+    updated = _updated_in_place(plan)
     sent = {n for u in _every(plan.units) for n in _collective_reads(u)}
     rows: dict[str, tuple[str, int]] = {}
     for u in plan.units:
@@ -491,7 +497,7 @@ def one_rank_results(plan: Plan) -> dict[str, str]:
     holds the values the two would."""
     bufs = {b.name: b for b in plan.buffers}
     lent = {n for b in plan.buffers if b.same_as or b.reuses for n in (b.name, b.same_as, b.reuses)}
-    updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
+    updated = _updated_in_place(plan)
     out: dict[str, str] = {}
     for i, u in enumerate(plan.units):
         if not (isinstance(u, Collective) and u.op == "allreduce" and not u.into and not u.packed):

@@ -170,13 +170,8 @@ class CpuRenderer:
             # a fused collective or an all-reduce), the peers read it in place (nothing staged)
             self.w.nsite += 1
             n = _prod(self.w.ldims(b.type))
-            memory = (f"coconet::shared_scratch<{ct}, {self.w.nsite}>(comm, {n})" if b.shared
-                      else f"coconet::scratch<{ct}, {self.w.nsite}>({n})")
-            if b.one_rank_as:  # (plan/targets.py one_rank_results)
-                self.w.emit(f"{ct}* const v_{b.name} = comm.size == 1 ? v_{b.one_rank_as} : {memory};  "
-                            f"// one rank: {b.one_rank_as}'s memory, the all-reduce copies nothing")
-            else:
-                self.w.emit(f"{ct}* const v_{b.name} = {memory};")
+            dispatch.declare_scratch(self.w, b, f"coconet::shared_scratch<{ct}, {self.w.nsite}>(comm, {n})" if b.shared
+                                     else f"coconet::scratch<{ct}, {self.w.nsite}>({n})")
 
     # --- reductions and library operations ------------------------------------------------
     def reduce(self, u: Reduce) -> None:

@@ -162,12 +162,8 @@ class CudaRenderer:
             self.w.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
                         f"// {b.name}: not needed, the collective reads the segments piece by piece")
         elif b.kind == "scratch":
-            memory = f"coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(self.w.ldims(b.type))})"
-            if b.one_rank_as:  # (plan/targets.py one_rank_results)
-                self.w.emit(f"{ct}* const v_{b.name} = comm.size == 1 ? v_{b.one_rank_as} : {memory};  "
-                            f"// one rank: {b.one_rank_as}'s memory, the all-reduce copies nothing")
-            else:
-                self.w.emit(f"{ct}* const v_{b.name} = {memory};")
+            dispatch.declare_scratch(self.w, b, f"coconet::cuda::scratch<{ct}>({self.w.site()}, "
+                                     f"{_prod(self.w.ldims(b.type))})")
             self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name)
         elif b.kind == "chunks":
             self.w.emit(f"// {b.name}: only as packed chunks of its overlap")
